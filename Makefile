@@ -1,0 +1,33 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,notebooks]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m flexjax demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
+
+bench: $(STAMP)
+	$(PY) -m pip install -q '.[bench]'
+	$(PY) benchmarks/bench_cpu.py
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check flexjax tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

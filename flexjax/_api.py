@@ -1,0 +1,220 @@
+"""flex_attention: input checks, backend dispatch and the custom_vjp around the backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._block_mask import BlockMask, full_block_mask
+from ._trace import StaticMod, trace_mod
+from .backends import get_backend, platform_backends
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Everything static about one attention call; backends read it.
+
+    Attributes:
+      score: the traced score_mod, or None.
+      mask: the traced mask_mod, or None (no mask_mod: partial tiles only mask padding).
+      scale: the factor on q·k.
+      q_len, kv_len: sequence lengths.
+      block_size: the BlockMask's (block_q, block_kv).
+      kernel_options: the user's options as a sorted tuple of (key, value) pairs.
+      sparse: whether most tiles of the BlockMask are empty (None when it is traced);
+        backends may pick tiles from it.
+    """
+
+    score: StaticMod | None
+    mask: StaticMod | None
+    scale: float
+    q_len: int
+    kv_len: int
+    block_size: tuple[int, int]
+    kernel_options: tuple = ()
+    sparse: bool | None = None
+
+    @property
+    def options(self) -> dict:
+        return dict(self.kernel_options)
+
+
+def _check_qkv(query, key, value):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be a JAX array of shape (batch, seq, heads, head_dim), got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 (batch, seq, heads, head_dim), got shape {tuple(x.shape)}; "
+                "flexjax uses the layout of jax.nn.dot_product_attention"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}; cast them to one"
+        )
+    B, Sq, Hq, D = query.shape
+    Bk, Skv, Hkv, Dk = key.shape
+    Bv, Sv, Hv, Dv = value.shape
+    if not (B == Bk == Bv):
+        raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv}; they must be equal")
+    if Dk != D:
+        raise ValueError(f"key head_dim {Dk} must equal query head_dim {D} (shapes {query.shape}, {key.shape})")
+    if Sv != Skv or Hv != Hkv:
+        raise ValueError(
+            f"value must have the key's seq and heads (batch, {Skv}, {Hkv}, Dv), got shape {tuple(value.shape)}"
+        )
+    if Hq % Hkv != 0:
+        raise ValueError(
+            f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for GQA/MQA; got key shape {key.shape}"
+        )
+    for name, n in (("query", Sq), ("key", Skv), ("query head_dim", D), ("value head_dim", Dv)):
+        if n == 0:
+            raise ValueError(f"{name} has a zero-sized dimension; shapes {query.shape}, {key.shape}, {value.shape}")
+
+
+def _check_block_mask(block_mask, B, Hq, Sq, Skv):
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a BlockMask from flexjax.create_block_mask, got {type(block_mask).__name__}"
+        )
+    Bm, Hm, Qm, KVm = block_mask.shape
+    if (Qm, KVm) != (Sq, Skv):
+        raise ValueError(
+            f"block_mask was built for Q_LEN={Qm}, KV_LEN={KVm} but query has {Sq} tokens and key has {Skv}; "
+            f"rebuild it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})"
+        )
+    if Bm not in (1, B):
+        raise ValueError(f"block_mask was built for B={Bm} but query has batch {B}; rebuild it with B={B} or B=None")
+    if Hm not in (1, Hq):
+        raise ValueError(
+            f"block_mask was built for H={Hm} but query has {Hq} heads; rebuild it with H={Hq} or H=None"
+        )
+
+
+# A mask whose non-empty tiles are under this fraction is "sparse" (band-like).
+_SPARSE_DENSITY = 0.2
+
+
+def _is_sparse(block_mask: BlockMask) -> bool | None:
+    """Whether most tiles are empty, when the BlockMask is concrete; None under tracing."""
+    counts = (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks)
+    if any(isinstance(c, jax.core.Tracer) for c in counts):
+        return None
+    nq, nkv = block_mask.num_blocks
+    nonempty = (np.asarray(counts[0]).sum() + np.asarray(counts[1]).sum()) / counts[0].size
+    return bool(nonempty / nkv < _SPARSE_DENSITY)
+
+
+def _options_tuple(kernel_options) -> tuple:
+    if kernel_options is None:
+        return ()
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    for k in kernel_options:
+        if not isinstance(k, str):
+            raise TypeError(f"kernel_options keys must be strings, got {k!r}")
+    return tuple(sorted(kernel_options.items()))
+
+
+def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                   score_mod: Callable | None = None, block_mask: BlockMask | None = None, *,
+                   scale: float | None = None, return_lse: bool = False,
+                   backend: str | None = None, kernel_options: dict | None = None) -> Any:
+    """Attention with a user score_mod and a block-sparse mask, differentiable.
+
+    Semantics are PyTorch FlexAttention's: ``s = q·k * scale``, ``s = score_mod(s, b, h,
+    q_idx, kv_idx)``, masked pairs excluded, softmax over keys, times V. A row with no
+    allowed key gives output 0 and lse ``-inf``.
+
+    Args:
+      query: (batch, q_len, q_heads, head_dim).
+      key: (batch, kv_len, kv_heads, head_dim); ``q_heads % kv_heads == 0`` (GQA/MQA).
+      value: (batch, kv_len, kv_heads, v_head_dim).
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` or None.
+      block_mask: from ``create_block_mask`` for these lengths, or None (attend everywhere).
+      scale: factor on q·k; default ``1/sqrt(head_dim)``.
+      return_lse: also return the log-sum-exp, float32 (batch, q_heads, q_len).
+      backend: "xla", "reference" (dense, for tests), "pallas"; None picks for the platform.
+      kernel_options: backend options (tile sizes etc.; see each backend's KernelOptions).
+
+    Returns:
+      Output (batch, q_len, q_heads, v_head_dim) in the query's dtype, or ``(out, lse)``.
+    """
+    _check_qkv(query, key, value)
+    B, Sq, Hq, D = query.shape
+    Skv = key.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if block_mask is None:
+        block_mask = full_block_mask(1, 1, Sq, Skv)
+    _check_block_mask(block_mask, B, Hq, Sq, Skv)
+    score = None
+    score_consts: tuple = ()
+    if score_mod is not None:
+        traced = trace_mod(score_mod, "score", arg_name="score_mod")
+        score, score_consts = traced.static(), traced.consts
+    spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
+                         kv_len=Skv, block_size=block_mask.block_size,
+                         kernel_options=_options_tuple(kernel_options),
+                         sparse=_is_sparse(block_mask))
+    names = platform_backends() if backend is None else (backend,)
+    impl = None
+    for name in names:
+        candidate = get_backend(name)
+        reason = candidate.unsupported_reason(spec, query, key, value)
+        if reason is None:
+            impl = candidate
+            break
+        if backend is not None:
+            raise NotImplementedError(f"backend {name!r} cannot serve this call: {reason}")
+    if impl is None:
+        raise NotImplementedError(f"no backend among {names} can serve this call")
+    lists = block_mask.tree_flatten()[0][:8]
+    out, lse = _attention(impl.NAME, spec, query, key, value, tuple(score_consts),
+                          tuple(block_mask.mask_consts), tuple(lists))
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists):
+    out, lse = get_backend(backend_name).forward(spec, q, k, v, score_consts, mask_consts, lists)
+    return out, lse
+
+
+def _attention_fwd(backend_name, spec, q, k, v, score_consts, mask_consts, lists):
+    out, lse = get_backend(backend_name).forward(spec, q, k, v, score_consts, mask_consts, lists)
+    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists)
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def _attention_bwd(backend_name, spec, res, cts):
+    q, k, v, out, lse, score_consts, mask_consts, lists = res
+    dout, dlse = cts
+    dq, dk, dv, dscore = get_backend(backend_name).backward(
+        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists)
+    dscore = tuple(
+        d if jnp.issubdtype(c.dtype, jnp.inexact) else _zero_cotangent(c)
+        for c, d in zip(score_consts, dscore)
+    )
+    return (dq, dk, dv, dscore, tuple(_zero_cotangent(c) for c in mask_consts),
+            tuple(_zero_cotangent(x) for x in lists))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

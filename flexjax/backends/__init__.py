@@ -1,0 +1,36 @@
+"""Backend registry: each backend serves the same forward/backward contract."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+# name -> module path; each module defines NAME, unsupported_reason, forward, backward.
+_BACKENDS = {
+    "reference": "flexjax.backends.reference",
+    "xla": "flexjax.backends.xla",
+}
+
+# Ordered choices for backend=None, per platform; each list ends on "xla".
+_PLATFORM_ORDER = {
+    "cpu": ("xla",),
+}
+
+
+def available_backends() -> tuple[str, ...]:
+    """Names accepted by ``flex_attention(..., backend=...)``."""
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str):
+    """The backend module called ``name``."""
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)} or None, got {name!r}")
+    return importlib.import_module(_BACKENDS[name])
+
+
+def platform_backends(platform: str | None = None) -> tuple[str, ...]:
+    """The backends ``backend=None`` tries, in order, on ``platform`` (default: JAX's)."""
+    platform = platform or jax.default_backend()
+    return _PLATFORM_ORDER.get(platform, ("xla",))

@@ -1,0 +1,61 @@
+"""The reference backend: dense float32 attention, the truth the tests compare against."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._common import allowed, apply_score_mod
+
+NAME = "reference"
+
+
+def unsupported_reason(spec, q, k, v):
+    if spec.options:
+        return f"the reference backend takes no kernel_options, got {sorted(spec.options)}"
+    return None
+
+
+def _dense(spec, q, k, v, score_consts, mask_consts):
+    B, Sq, Hq, _ = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    hi = jax.lax.Precision.HIGHEST
+    kf = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+    vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision=hi) * spec.scale
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(Hq, dtype=jnp.int32)[None, :, None, None]
+    qi = jnp.arange(Sq, dtype=jnp.int32)[:, None]
+    ki = jnp.arange(Skv, dtype=jnp.int32)[None, :]
+    s = apply_score_mod(spec, score_consts, s, b, h, qi, ki)
+    ok = allowed(spec, mask_consts, b, h, qi, ki, True, True)
+    s = jnp.where(ok, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vf, precision=hi)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
+    return out.astype(q.dtype), lse
+
+
+def forward(spec, q, k, v, score_consts, mask_consts, lists):
+    return _dense(spec, q, k, v, score_consts, mask_consts)
+
+
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists):
+    float_idx = [i for i, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+    def f(q, k, v, float_consts):
+        consts = list(score_consts)
+        for i, c in zip(float_idx, float_consts):
+            consts[i] = c
+        return _dense(spec, q, k, v, tuple(consts), mask_consts)
+
+    _, vjp = jax.vjp(f, q, k, v, tuple(score_consts[i] for i in float_idx))
+    dq, dk, dv, dfloat = vjp((dout, dlse))
+    dscore = [None] * len(score_consts)
+    for i, d in zip(float_idx, dfloat):
+        dscore[i] = d
+    return dq, dk, dv, tuple(dscore)
