@@ -228,6 +228,12 @@ class BlockMask:
                 shown += 1
         return "\n".join(lines)
 
+    def plot(self, **kwargs):
+        """Draws the tiles with matplotlib (see ``flexjax._plot.plot_block_mask``)."""
+        from ._plot import plot_block_mask
+
+        return plot_block_mask(self, **kwargs)
+
     def __str__(self) -> str:
         return self.to_string()
 

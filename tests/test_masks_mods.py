@@ -1,5 +1,6 @@
 """flexjax.masks and flexjax.mods against independent NumPy references."""
 
+import functools
 import math
 
 import jax
@@ -18,8 +19,12 @@ MODES = ["broadcast_2d", "broadcast_4d", "vmap"]
 # Evaluating a mod on the full (B, H, Sq, Skv) grid, three ways.
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def evaluate(mod, mode, sq, skv, score=None):
     """Returns mod over the (B, H, sq, skv) grid as a jax array.
+
+    Jitted, as the library traces mods (and one compilation is cheaper than eager
+    dispatch compiling each primitive at each shape).
 
     broadcast_2d: b, h int32 scalars, q (sq, 1), kv (1, skv), as the tiles call mods.
     broadcast_4d: every index a broadcasting 4-D array.
@@ -109,6 +114,7 @@ def sorted_ids(rng, batch, length, num_docs):
     return np.sort(rng.integers(0, num_docs, size=(batch, length)), axis=-1)
 
 
+@functools.cache
 def mask_cases(sq, skv):
     """(id, mask_mod, numpy reference over (b, h, q, kv)) for the grid sq x skv."""
     rng = np.random.default_rng(sq * 1000 + skv)
@@ -175,6 +181,7 @@ def mask_cases(sq, skv):
     return cases
 
 
+@functools.cache
 def score_cases(sq, skv):
     """(id, score_mod, numpy reference over (score, b, h, q, kv), table or None)."""
     rng = np.random.default_rng(7 + sq)
@@ -228,8 +235,9 @@ def score_cases(sq, skv):
     ]
 
 
-def case_ids(cases_fn):
-    return list(dict.fromkeys(c[0] for shape in SHAPES for c in cases_fn(*shape)))
+def grid_cases(cases_fn):
+    """(case id, sq, skv) for every case defined on every grid shape."""
+    return [(c[0], sq, skv) for sq, skv in SHAPES for c in cases_fn(sq, skv)]
 
 
 # ----------------------------------------------------------------------------------
@@ -237,13 +245,9 @@ def case_ids(cases_fn):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("sq,skv", SHAPES)
-@pytest.mark.parametrize("name", case_ids(mask_cases))
+@pytest.mark.parametrize("name,sq,skv", grid_cases(mask_cases))
 def test_mask_matches_reference(name, sq, skv, mode):
-    cases = {c[0]: c[1:] for c in mask_cases(sq, skv)}
-    if name not in cases:
-        pytest.skip(f"{name} needs Sq == Skv")
-    mask_mod, ref = cases[name]
+    mask_mod, ref = {c[0]: c[1:] for c in mask_cases(sq, skv)}[name]
     got = evaluate(mask_mod, mode, sq, skv)
     assert got.dtype == jnp.bool_
     want = np.broadcast_to(ref(*np_grid(sq, skv)), (B, H, sq, skv))
@@ -251,8 +255,7 @@ def test_mask_matches_reference(name, sq, skv, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("sq,skv", SHAPES)
-@pytest.mark.parametrize("name", case_ids(score_cases))
+@pytest.mark.parametrize("name,sq,skv", grid_cases(score_cases))
 def test_score_mod_matches_reference(name, sq, skv, mode):
     score_mod, ref = {c[0]: c[1:] for c in score_cases(sq, skv)}[name]
     score = np.random.default_rng(0).normal(scale=20.0, size=(B, H, sq, skv))
@@ -263,7 +266,7 @@ def test_score_mod_matches_reference(name, sq, skv, mode):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", case_ids(score_cases))
+@pytest.mark.parametrize("name", [c[0] for c in score_cases(*SHAPES[0])])
 def test_score_mod_keeps_score_dtype(name):
     score_mod = {c[0]: c[1] for c in score_cases(*SHAPES[0])}[name]
     score = jnp.ones((B, H, 4, 5), jnp.bfloat16)

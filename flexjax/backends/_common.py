@@ -9,6 +9,9 @@ import jax.numpy as jnp
 # softmax of a tile where every pair is excluded; rows that stay fully excluded are fixed
 # at the end (output 0, lse -inf).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Start of the online softmax's running max: above MASK_VALUE, so that exp(MASK_VALUE - m)
+# is exactly 0 even in a row that has seen no allowed key; below any real score.
+ROW_INIT = 0.5 * MASK_VALUE
 
 
 def index_args(mod, b, h):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
-from ._common import allowed, apply_score_mod
+from ._common import MASK_VALUE, ROW_INIT, allowed, apply_score_mod, finish_lse
 
 NAME = "xla"
 
@@ -189,13 +189,13 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, lists, b_ids, h_id
                 s_raw, mod, ok = _scores(spec, g, score_consts, mask_consts, q_i, k_j, b_ids, h_ids, i, j, masked)
                 s = mod(s_raw, score_consts)
                 if masked:
-                    s = jnp.where(ok, s, -jnp.inf)
+                    s = jnp.where(ok, s, MASK_VALUE)
                 m_new = jnp.maximum(m, s.max(-1))
-                # A row with no allowed key so far keeps m = -inf; subtracting 0 instead
-                # keeps exp() at exactly 0 there rather than NaN.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp(s - m_use[..., None])
-                alpha = jnp.exp(m - m_use)
+                # m starts at ROW_INIT > MASK_VALUE, so excluded pairs give exp(<= -1e38) = 0
+                # even in rows with no allowed key yet, with no -inf arithmetic (which was
+                # measured 2x slower here) and no NaN.
+                p = jnp.exp(s - m_new[..., None])
+                alpha = jnp.exp(m - m_new)
                 l = l * alpha + p.sum(-1)
                 acc = acc * alpha[..., None] + jnp.einsum(
                     "bhgqk,bhkd->bhgqd", p, v_j, preferred_element_type=jnp.float32)
@@ -203,14 +203,14 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, lists, b_ids, h_id
 
             return body
 
-        carry = (jnp.full(lead + (g.tq,), -jnp.inf, jnp.float32),
+        carry = (jnp.full(lead + (g.tq,), ROW_INIT, jnp.float32),
                  jnp.zeros(lead + (g.tq,), jnp.float32),
                  jnp.zeros(lead + (g.tq, dv), jnp.float32))
         carry = jax.lax.fori_loop(0, kv_n[i], step(True, kv_i[i]), carry)
         carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
         m, l, acc = carry
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        lse = finish_lse(m, l)
         return out, lse
 
     outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32))

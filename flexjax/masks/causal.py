@@ -8,9 +8,7 @@ import numpy as np
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def causal(
-    b: jax.Array, h: jax.Array, q_idx: jax.Array, kv_idx: jax.Array
-) -> jax.Array:
+def causal(b: jax.Array, h: jax.Array, q_idx: jax.Array, kv_idx: jax.Array) -> jax.Array:
     """Causal (top-left aligned) mask: query ``q_idx`` sees keys ``kv_idx <= q_idx``.
 
     Args:
@@ -43,9 +41,7 @@ def chunked_causal(chunk: int) -> MaskMod:
         ValueError: ``chunk`` < 1.
     """
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)):
-        raise TypeError(
-            f"chunked_causal: chunk must be an int, got {type(chunk).__name__}"
-        )
+        raise TypeError(f"chunked_causal: chunk must be an int, got {type(chunk).__name__}")
     if chunk < 1:
         raise ValueError(f"chunked_causal: chunk must be >= 1, got {chunk}")
     chunk = int(chunk)

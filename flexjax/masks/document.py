@@ -14,20 +14,13 @@ def _as_ids(ids: ArrayLike, name: str) -> jax.Array:
     """Returns ``ids`` as a ``(B, S)`` integer array; ``(S,)`` becomes ``(1, S)``."""
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(
-            f"document: {name} must be an integer array, got dtype {ids.dtype}"
-        )
+        raise TypeError(f"document: {name} must be an integer array, got dtype {ids.dtype}")
     if ids.ndim not in (1, 2) or ids.size == 0:
-        raise ValueError(
-            f"document: {name} must have shape (B, S) or (S,) and be non-empty, got shape "
-            f"{ids.shape}"
-        )
+        raise ValueError(f"document: {name} must have shape (B, S) or (S,) and be non-empty, got shape {ids.shape}")
     return ids.reshape(1, -1) if ids.ndim == 1 else ids
 
 
-def document(
-    segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None
-) -> MaskMod:
+def document(segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> MaskMod:
     """Document mask: tokens attend only within their own segment.
 
     Query ``q`` of batch ``b`` sees key ``k`` iff
@@ -49,13 +42,11 @@ def document(
         ValueError: ids have the wrong rank, or batch sizes that do not broadcast.
     """
     q_ids = _as_ids(segment_ids, "segment_ids")
-    kv_ids = (
-        q_ids if kv_segment_ids is None else _as_ids(kv_segment_ids, "kv_segment_ids")
-    )
+    kv_ids = q_ids if kv_segment_ids is None else _as_ids(kv_segment_ids, "kv_segment_ids")
     if q_ids.shape[0] != kv_ids.shape[0] and 1 not in (q_ids.shape[0], kv_ids.shape[0]):
         raise ValueError(
             f"document: segment_ids has batch size {q_ids.shape[0]} but kv_segment_ids has "
-            f"{kv_ids.shape[0]}; they must match or one of them must be 1-D"
+            f"{kv_ids.shape[0]}; they must match, or one of them must be 1-D (shared by the batch)"
         )
     (q_b, q_s), (kv_b, kv_s) = q_ids.shape, kv_ids.shape
 
@@ -69,9 +60,7 @@ def document(
     return mask_mod
 
 
-def segment_ids_from_cu_seqlens(
-    cu_seqlens: ArrayLike, seq_len: int, pad_id: int = -1
-) -> jax.Array:
+def segment_ids_from_cu_seqlens(cu_seqlens: ArrayLike, seq_len: int, pad_id: int = -1) -> jax.Array:
     """Segment ids from cumulative sequence lengths (the varlen / packing format).
 
     Position ``p`` gets id ``i`` when ``cu_seqlens[i] <= p < cu_seqlens[i + 1]`` and
@@ -93,23 +82,16 @@ def segment_ids_from_cu_seqlens(
     """
     cu = jnp.asarray(cu_seqlens)
     if not jnp.issubdtype(cu.dtype, jnp.integer):
-        raise TypeError(
-            "segment_ids_from_cu_seqlens: cu_seqlens must be an integer array, got dtype "
-            f"{cu.dtype}"
-        )
+        raise TypeError(f"segment_ids_from_cu_seqlens: cu_seqlens must be an integer array, got dtype {cu.dtype}")
     if cu.ndim not in (1, 2) or cu.shape[-1] < 2:
         raise ValueError(
             "segment_ids_from_cu_seqlens: cu_seqlens must have shape "
             f"(n + 1,) or (B, n + 1) with n >= 1, got shape {cu.shape}"
         )
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
-        raise TypeError(
-            f"segment_ids_from_cu_seqlens: seq_len must be an int, got {type(seq_len).__name__}"
-        )
+        raise TypeError(f"segment_ids_from_cu_seqlens: seq_len must be an int, got {type(seq_len).__name__}")
     if seq_len < 1:
-        raise ValueError(
-            f"segment_ids_from_cu_seqlens: seq_len must be >= 1, got {seq_len}"
-        )
+        raise ValueError(f"segment_ids_from_cu_seqlens: seq_len must be >= 1, got {seq_len}")
     cu = cu.astype(jnp.int32)
     positions = jnp.arange(int(seq_len), dtype=jnp.int32)
     num_segments = cu.shape[-1] - 1
@@ -124,8 +106,9 @@ def segment_ids_from_cu_seqlens(
 def document_from_cu_seqlens(cu_seqlens: ArrayLike, seq_len: int) -> MaskMod:
     """Document mask for packed sequences given as cumulative lengths.
 
-    Positions outside every document (padding past ``cu_seqlens[-1]``) get id -1 as
-    queries and -2 as keys, so padding never attends nor is attended to.
+    Positions outside every document (before ``cu_seqlens[0]`` or at/after
+    ``cu_seqlens[-1]``) get id -1 as queries and -2 as keys, so padding never attends
+    nor is attended to.
 
     Args:
         cu_seqlens: ``(n + 1,)`` or ``(B, n + 1)`` non-decreasing integer offsets, e.g.

@@ -25,14 +25,9 @@ def padding(kv_lengths: ArrayLike) -> MaskMod:
     """
     kv_lengths = jnp.asarray(kv_lengths)
     if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
-        raise TypeError(
-            f"padding: kv_lengths must be an integer array, got {kv_lengths.dtype}"
-        )
+        raise TypeError(f"padding: kv_lengths must be an integer array, got {kv_lengths.dtype}")
     if kv_lengths.ndim != 1 or kv_lengths.shape[0] == 0:
-        raise ValueError(
-            "padding: kv_lengths must have shape (B,) with B >= 1, got shape "
-            f"{kv_lengths.shape}"
-        )
+        raise ValueError(f"padding: kv_lengths must have shape (B,) with B >= 1, got shape {kv_lengths.shape}")
     last = kv_lengths.shape[0] - 1
 
     def mask_mod(b, h, q_idx, kv_idx):

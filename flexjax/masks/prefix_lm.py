@@ -26,9 +26,7 @@ def prefix_lm(prefix_len: int | ArrayLike) -> MaskMod:
         ValueError: a negative int, or an array that is not 1-D.
     """
     if isinstance(prefix_len, bool):
-        raise TypeError(
-            "prefix_lm: prefix_len must be an int or a (B,) integer array, got bool"
-        )
+        raise TypeError("prefix_lm: prefix_len must be an int or a (B,) integer array, got bool")
     if isinstance(prefix_len, (int, np.integer)):
         if prefix_len < 0:
             raise ValueError(f"prefix_lm: prefix_len must be >= 0, got {prefix_len}")
@@ -43,10 +41,7 @@ def prefix_lm(prefix_len: int | ArrayLike) -> MaskMod:
 
     lengths = jnp.asarray(prefix_len)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(
-            "prefix_lm: prefix_len must be an int or a (B,) integer array, got dtype "
-            f"{lengths.dtype}"
-        )
+        raise TypeError(f"prefix_lm: prefix_len must be an int or a (B,) integer array, got dtype {lengths.dtype}")
     if lengths.ndim != 1 or lengths.shape[0] == 0:
         raise ValueError(
             "prefix_lm: an array prefix_len must have shape (B,) with B >= 1, got shape "

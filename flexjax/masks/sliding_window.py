@@ -27,9 +27,7 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
     """
     for name, value in (("left", left), ("right", right)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(
-                f"sliding_window: {name} must be an int, got {type(value).__name__}"
-            )
+            raise TypeError(f"sliding_window: {name} must be an int, got {type(value).__name__}")
         if value < 0:
             raise ValueError(f"sliding_window: {name} must be >= 0, got {value}")
     left, right = int(left), int(right)

@@ -29,9 +29,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
         ValueError: ``num_heads`` < 1.
     """
     if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
-        raise TypeError(
-            f"alibi_slopes: num_heads must be an int, got {type(num_heads).__name__}"
-        )
+        raise TypeError(f"alibi_slopes: num_heads must be an int, got {type(num_heads).__name__}")
     if num_heads < 1:
         raise ValueError(f"alibi_slopes: num_heads must be >= 1, got {num_heads}")
     num_heads = int(num_heads)
@@ -59,9 +57,7 @@ def alibi_from_slopes(slopes: ArrayLike) -> ScoreMod:
     """
     slopes = jnp.asarray(slopes)
     if slopes.ndim != 1 or slopes.shape[0] == 0:
-        raise ValueError(
-            f"alibi_from_slopes: slopes must have shape (H,) with H >= 1, got shape {slopes.shape}"
-        )
+        raise ValueError(f"alibi_from_slopes: slopes must have shape (H,) with H >= 1, got shape {slopes.shape}")
     if not jnp.issubdtype(slopes.dtype, jnp.floating):
         slopes = slopes.astype(jnp.float32)
     last = slopes.shape[0] - 1

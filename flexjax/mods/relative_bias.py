@@ -28,9 +28,7 @@ def relative_bias(table: ArrayLike) -> ScoreMod:
     """
     table = jnp.asarray(table)
     if not jnp.issubdtype(table.dtype, jnp.floating):
-        raise TypeError(
-            f"relative_bias: table must be a floating array, got dtype {table.dtype}"
-        )
+        raise TypeError(f"relative_bias: table must be a floating array, got dtype {table.dtype}")
     if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] % 2 != 1:
         raise ValueError(
             "relative_bias: table must have shape (H, 2 * S - 1) (an odd number of "

@@ -25,9 +25,7 @@ def soft_cap(cap: float) -> ScoreMod:
         TypeError: ``cap`` is not a real number.
         ValueError: ``cap`` is not finite and > 0.
     """
-    if isinstance(cap, bool) or not isinstance(
-        cap, (int, float, np.integer, np.floating)
-    ):
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)):
         raise TypeError(f"soft_cap: cap must be a float, got {type(cap).__name__}")
     if not (np.isfinite(cap) and cap > 0):
         raise ValueError(f"soft_cap: cap must be finite and > 0, got {cap}")

@@ -12,15 +12,11 @@ from jax.typing import ArrayLike
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def _check_bucketing(
-    caller: str, num_buckets: int, max_distance: int, bidirectional: bool
-) -> None:
+def _check_bucketing(caller: str, num_buckets: int, max_distance: int, bidirectional: bool) -> None:
     """Raises a TypeError or ValueError naming the first invalid bucketing argument."""
     for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(
-                f"{caller}: {name} must be an int, got {type(value).__name__}"
-            )
+            raise TypeError(f"{caller}: {name} must be an int, got {type(value).__name__}")
     max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
     if max_exact < 1:
         raise ValueError(
@@ -35,9 +31,7 @@ def _check_bucketing(
 
 
 @functools.cache
-def _bucket_thresholds(
-    num_buckets: int, max_distance: int, bidirectional: bool
-) -> tuple[int, int, tuple[int, ...]]:
+def _bucket_thresholds(num_buckets: int, max_distance: int, bidirectional: bool) -> tuple[int, int, tuple[int, ...]]:
     """Returns (buckets per direction, max_exact, thresholds) for validated arguments.
 
     Threshold ``k`` is the smallest distance ``d`` whose logarithmic bucket is at least
@@ -96,12 +90,8 @@ def t5_relative_position_bucket(
         TypeError: ``num_buckets`` or ``max_distance`` is not an int.
         ValueError: too few buckets, or ``max_distance`` not above the exact range.
     """
-    _check_bucketing(
-        "t5_relative_position_bucket", num_buckets, max_distance, bool(bidirectional)
-    )
-    per_direction, max_exact, thresholds = _bucket_thresholds(
-        int(num_buckets), int(max_distance), bool(bidirectional)
-    )
+    _check_bucketing("t5_relative_position_bucket", num_buckets, max_distance, bool(bidirectional))
+    per_direction, max_exact, thresholds = _bucket_thresholds(int(num_buckets), int(max_distance), bool(bidirectional))
     relative_position = jnp.asarray(relative_position).astype(jnp.int32)
     if bidirectional:
         offset = jnp.where(relative_position > 0, per_direction, 0)
@@ -136,32 +126,23 @@ def t5_relative_bucket_bias(
         TypeError: ``table`` is not floating point, or non-int bucketing arguments.
         ValueError: ``table`` is not ``(H, num_buckets)``, or invalid bucketing.
     """
-    _check_bucketing(
-        "t5_relative_bucket_bias", num_buckets, max_distance, bool(bidirectional)
-    )
+    _check_bucketing("t5_relative_bucket_bias", num_buckets, max_distance, bool(bidirectional))
     num_buckets, max_distance = int(num_buckets), int(max_distance)
     table = jnp.asarray(table)
     if not jnp.issubdtype(table.dtype, jnp.floating):
-        raise TypeError(
-            f"t5_relative_bucket_bias: table must be a floating array, got dtype {table.dtype}"
-        )
+        raise TypeError(f"t5_relative_bucket_bias: table must be a floating array, got dtype {table.dtype}")
     if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] != num_buckets:
         raise ValueError(
-            f"t5_relative_bucket_bias: table must have shape (H, num_buckets={num_buckets}), "
-            f"got shape {table.shape}"
+            f"t5_relative_bucket_bias: table must have shape (H, num_buckets={num_buckets}), got shape {table.shape}"
         )
     last_head = table.shape[0] - 1
 
     def score_mod(score, b, h, q_idx, kv_idx):
         del b
-        bucket = t5_relative_position_bucket(
-            kv_idx - q_idx, num_buckets, max_distance, bidirectional
-        )
+        bucket = t5_relative_position_bucket(kv_idx - q_idx, num_buckets, max_distance, bidirectional)
         bias = table[jnp.clip(h, 0, last_head), jnp.clip(bucket, 0, num_buckets - 1)]
         return score + bias.astype(score.dtype)
 
     suffix = "" if bidirectional else "_unidirectional"
-    score_mod.__name__ = score_mod.__qualname__ = (
-        f"t5_bias_{num_buckets}_{max_distance}{suffix}"
-    )
+    score_mod.__name__ = score_mod.__qualname__ = f"t5_bias_{num_buckets}_{max_distance}{suffix}"
     return score_mod

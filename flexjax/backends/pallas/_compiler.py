@@ -1,0 +1,482 @@
+"""The mod compiler: splits a traced mod into an XLA prologue and a kernel part.
+
+A mod's jaxpr has scalar semantics. Kernels evaluate it on tiles: ``score (tq, tk)``,
+``q_idx (tq, 1)``, ``kv_idx (1, tk)``, scalars ``b`` and ``h``. Reads of captured arrays
+are the hard part, and the compiler sorts them by what their indices depend on:
+
+- a read whose indices depend only on ``b``, ``h`` and ``q_idx`` (document ids, ALiBi
+  slopes, per-position tables) is *hoisted*: the prologue evaluates it, and everything
+  computed from it, for every (b, h, q) in XLA, and the kernel loads a ``(tq, 1)`` row
+  block of the result. The same holds for ``kv_idx`` with ``(1, tk)`` column blocks.
+  Gradients to such arrays flow back through the prologue's own VJP.
+- any other read (``table[h, kv_idx - q_idx]``) stays in the kernel and becomes a load
+  from the array's ref with clamped indices; Mosaic TPU cannot gather, so there it
+  raises.
+
+Every primitive left in the kernel part, and in its VJP, is checked against the
+target's Pallas lowering rules, so an unsupported mod fails here with the primitive's
+name instead of deep inside Triton or Mosaic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from ..._trace import StaticMod
+
+# Primitives that only rename or reshape a value that has one element per position.
+_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
+                         "reduce_sum", "reduce_max", "reduce_min", "transpose"})
+# Call-like primitives whose body is inlined.
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+# Primitives the DESIGN lists as broken inside Triton kernels even where a rule exists.
+_TRITON_GAPS = frozenset({"erf", "round", "sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
+_MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
+# Wrappers that Pallas inlines on every target.
+_PLUMBING = frozenset({"jit", "pjit", "stop_gradient"})
+
+TARGETS = ("interpret", "cuda", "tpu")
+
+_ARG_TAGS = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
+
+
+class Lit:
+    """A literal operand."""
+
+    __slots__ = ("val",)
+
+    def __init__(self, val):
+        self.val = val
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One first-order primitive application; operands are var ids or Lit."""
+
+    prim: Any
+    params: dict
+    ins: tuple
+    outs: tuple[int, ...]
+    in_avals: tuple
+    out_avals: tuple
+
+
+def _size1(aval) -> bool:
+    return int(np.prod(aval.shape)) == 1
+
+
+class _Flattener:
+    """Inlines call primitives so the mod becomes one flat list of nodes."""
+
+    def __init__(self, mod_name: str):
+        self.nodes: list[Node] = []
+        self.avals: dict[int, Any] = {}
+        self.count = 0
+        self.mod_name = mod_name
+
+    def new(self, aval) -> int:
+        self.count += 1
+        self.avals[self.count] = aval
+        return self.count
+
+    def atom(self, env, v):
+        if isinstance(v, jex_core.Literal):
+            return Lit(np.asarray(v.val, dtype=v.aval.dtype))
+        return env[v]
+
+    def run(self, jaxpr, args) -> list:
+        env = dict(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            ins = [self.atom(env, v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _CALLS:
+                sub = eqn.params.get(_CALLS[name])
+                if sub is None:
+                    raise NotImplementedError(
+                        f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    consts = [self._const(c) for c in sub.consts]
+                    sub = sub.jaxpr
+                    sub_ins = ins if not consts else consts + ins
+                    if consts:
+                        sub = sub.replace(constvars=[], invars=list(sub.constvars) + list(sub.invars))
+                else:
+                    sub_ins = ins
+                if name == "custom_jvp_call" or name == "custom_vjp_call":
+                    sub_ins = sub_ins[len(sub_ins) - len(sub.invars):]
+                outs = self.run(sub, sub_ins)
+            else:
+                outs = [self.new(v.aval) for v in eqn.outvars]
+                self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
+                                       tuple(v.aval for v in eqn.invars),
+                                       tuple(v.aval for v in eqn.outvars)))
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [self.atom(env, v) for v in jaxpr.outvars]
+
+    def _const(self, c):
+        arr = np.asarray(c)
+        if arr.size != 1:
+            raise NotImplementedError(
+                f"mod {self.mod_name!r} closes over an array inside a nested jit; pass it from the outer function")
+        return Lit(arr.reshape(()))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMod:
+    """A mod split into an XLA prologue and a kernel part.
+
+    Attributes:
+      mod: the traced mod.
+      target: "interpret", "cuda" or "tpu".
+      nodes: the flattened nodes, in order.
+      args: var ids of the mod's arguments (score first for a score_mod).
+      consts: var ids of the captured arrays.
+      out: the output atom.
+      side: per node index, "q", "kv" or "k" (kernel).
+      rows: var ids of hoisted values the kernel reads as (tq, 1) row blocks.
+      cols: var ids of hoisted values read as (1, tk) column blocks.
+      arrays: var ids of arrays the kernel gathers from (captured or computed from them).
+      row_uses, col_uses: per hoisted value, whether it depends on (b, h).
+    """
+
+    mod: StaticMod
+    target: str
+    nodes: tuple
+    args: tuple
+    consts: tuple
+    out: Any
+    side: tuple
+    rows: tuple
+    cols: tuple
+    arrays: tuple
+    row_uses: tuple
+    col_uses: tuple
+    avals: dict
+
+    @property
+    def name(self) -> str:
+        return self.mod.name
+
+    @property
+    def has_gather(self) -> bool:
+        return bool(self.arrays)
+
+    # -- prologue (XLA) ---------------------------------------------------------------------
+    def _eval_scalar(self, env: dict, wanted: tuple):
+        """Evaluates the nodes ``wanted`` needs, with scalar semantics, into ``env``."""
+        producer = {o: n for n, node in enumerate(self.nodes) for o in node.outs}
+        needed, stack = set(), [w for w in wanted if w not in env]
+        while stack:
+            n = producer[stack.pop()]
+            if n not in needed:
+                needed.add(n)
+                stack.extend(x for x in self.nodes[n].ins if not isinstance(x, Lit) and x not in env)
+        for n in sorted(needed):
+            node = self.nodes[n]
+            vals = [x.val if isinstance(x, Lit) else env[x] for x in node.ins]
+            out = node.prim.bind(*vals, **node.params)
+            env.update(zip(node.outs, out if node.prim.multiple_results else [out]))
+        return tuple(env[w] for w in wanted)
+
+    def prologue(self, consts, batch: int, heads: int, q_len: int, kv_len: int, sq: int, skv: int):
+        """Evaluates the hoisted values and gathered arrays in XLA.
+
+        Returns ``(rows, cols, arrays)``: rows ``(B', H', sq)``, cols ``(B', H', skv)`` with
+        B' (H') 1 where the value does not depend on b (h), and the arrays the kernel
+        gathers from. Indices past the true lengths are clamped, as mods never see them.
+        """
+        base = dict(zip(self.consts, consts))
+        names = ("score", "b", "h", "q_idx", "kv_idx") if self.mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
+        arg_of = dict(zip(names, self.args))
+
+        def grid(wanted, uses, pos_name, length, n):
+            out = []
+            for w, (ub, uh) in zip(wanted, uses):
+                b = jnp.arange(batch, dtype=jnp.int32)[:, None, None] if ub else jnp.zeros((1, 1, 1), jnp.int32)
+                h = jnp.arange(heads, dtype=jnp.int32)[None, :, None] if uh else jnp.zeros((1, 1, 1), jnp.int32)
+                p = jnp.minimum(jnp.arange(n, dtype=jnp.int32), length - 1)[None, None, :]
+
+                def scalar_fn(b, h, p, w=w):
+                    env = dict(base)
+                    env[arg_of["b"]], env[arg_of["h"]], env[arg_of[pos_name]] = b, h, p
+                    (val,) = self._eval_scalar(env, (w,))
+                    return jnp.reshape(val, ())
+
+                out.append(jnp.vectorize(scalar_fn)(b, h, p))
+            return tuple(out)
+
+        rows = grid(self.rows, self.row_uses, "q_idx", q_len, sq)
+        cols = grid(self.cols, self.col_uses, "kv_idx", kv_len, skv)
+        arrays = []
+        for a in self.arrays:
+            if a in base:
+                arrays.append(base[a])
+            else:
+                (val,) = self._eval_scalar(dict(base), (a,))
+                arrays.append(val)
+        return rows, cols, tuple(arrays)
+
+    # -- kernel part ------------------------------------------------------------------------
+    def evaluate(self, score, b, h, q_idx, kv_idx, rows, cols, load: Callable):
+        """The mod on a tile, inside a kernel (or any JAX code).
+
+        Args:
+          score: f32 tile (score_mods only; None for mask_mods).
+          b, h: int32 scalars.
+          q_idx, kv_idx: int32 tiles, already clamped into range.
+          rows, cols: tiles of the hoisted values, one per ``self.rows`` / ``self.cols``.
+          load: ``load(k, indices) -> tile`` reads ``self.arrays[k]`` at clamped int32
+            index tiles (one per array dimension).
+
+        Returns:
+          The mod's value, broadcast to the tile shape of its arguments.
+        """
+        env: dict[int, Any] = {}
+        vals = (b, h, q_idx, kv_idx) if score is None else (score, b, h, q_idx, kv_idx)
+        env.update(zip(self.args, vals))
+        env.update(zip(self.rows, rows))
+        env.update(zip(self.cols, cols))
+        arrays = {a: k for k, a in enumerate(self.arrays)}
+        for node, side in zip(self.nodes, self.side):
+            if side != "k":
+                continue
+            outs = _eval_node(node, env, arrays, load, self.name)
+            env.update(zip(node.outs, outs))
+        out = self.out.val if isinstance(self.out, Lit) else env[self.out]
+        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx), jnp.shape(score) if score is not None else ())
+        return jnp.broadcast_to(out, shape)
+
+
+def _value(x, env):
+    return jnp.asarray(x.val) if isinstance(x, Lit) else env[x]
+
+
+def _broadcast(vals):
+    shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in vals))
+    return [v if jnp.shape(v) == shape else jnp.broadcast_to(v, shape) for v in vals]
+
+
+def _clamp_index(i, n):
+    return jnp.clip(jnp.asarray(i).astype(jnp.int32), 0, n - 1)
+
+
+def _eval_node(node: Node, env, arrays, load, mod_name):
+    name = node.prim.name
+    if name == "dynamic_slice":
+        operand, *starts = node.ins
+        shape = node.in_avals[0].shape
+        # XLA clamps dynamic_slice starts so the (size-1) slice stays inside the array.
+        idx = [_clamp_index(_value(s, env), n) for s, n in zip(starts, shape)]
+        return [load(arrays[operand], _broadcast(idx))]
+    if name == "gather":
+        operand, indices = node.ins
+        shape = node.in_avals[0].shape
+        dn = node.params["dimension_numbers"]
+        comps = _value(indices, env)
+        comps = comps if isinstance(comps, list) else [comps]
+        idx = [None] * len(shape)
+        for c, d in zip(comps, dn.start_index_map):
+            idx[d] = c
+        raw = [jnp.asarray(i).astype(jnp.int32) for i in idx]
+        clamped = _broadcast([_clamp_index(i, n) for i, n in zip(raw, shape)])
+        val = load(arrays[operand], clamped)
+        if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+            inside = functools.reduce(jnp.logical_and, [(i >= 0) & (i < n) for i, n in zip(raw, shape)])
+            fill = node.params["fill_value"]
+            if fill is None:
+                fill = jnp.nan if jnp.issubdtype(node.out_avals[0].dtype, jnp.inexact) else 0
+            val = jnp.where(inside, val, jnp.asarray(fill, node.out_avals[0].dtype))
+        return [val]
+    ins = [_value(x, env) for x in node.ins]
+    if name == "concatenate":
+        return [[c for v in ins for c in (v if isinstance(v, list) else [v])]]
+    if name in _SHAPE_ONLY:
+        return [ins[0]]
+    if any(isinstance(v, list) for v in ins):
+        n = max(len(v) for v in ins if isinstance(v, list))
+        comps = [[v[i] if isinstance(v, list) else v for v in ins] for i in range(n)]
+        return [[node.prim.bind(*_broadcast(c), **node.params) for c in comps]]
+    out = node.prim.bind(*_broadcast(ins), **node.params)
+    return out if node.prim.multiple_results else [out]
+
+
+def _deps(nodes, const_ids, arg_tags):
+    """Per var id, the set of tags it depends on: b, h, q, kv, score, and arr (an array)."""
+    deps = {c: frozenset({"arr"}) for c in const_ids}
+    deps.update(arg_tags)
+    for node in nodes:
+        d = frozenset().union(*(deps.get(x, frozenset()) for x in node.ins if not isinstance(x, Lit)))
+        for o, aval in zip(node.outs, node.out_avals):
+            deps[o] = d | ({"arr"} if not _size1(aval) else frozenset())
+    return deps
+
+
+def _sides(nodes, deps):
+    side = []
+    for node in nodes:
+        d = frozenset().union(*(deps[o] for o in node.outs))
+        if "arr" in d and d <= {"arr", "b", "h", "q"}:
+            side.append("q")
+        elif "arr" in d and d <= {"arr", "b", "h", "kv"}:
+            side.append("kv")
+        else:
+            side.append("k")
+    return side
+
+
+def _lowering_rules(target: str):
+    if target == "cuda":
+        from jax._src.pallas.triton import lowering as triton_lowering
+
+        return {p.name for p in triton_lowering.triton_lowering_rules}, _TRITON_GAPS
+    if target == "tpu":
+        from jax._src.pallas.mosaic import lowering as mosaic_lowering
+
+        (tensor_core,) = [k for k in mosaic_lowering.lowering_rules if k.name == "TC"]
+        return {p.name for p in mosaic_lowering.lowering_rules[tensor_core]}, _MOSAIC_GAPS
+    return None, frozenset()
+
+
+def _check_prims(prims, target: str, mod_name: str, where: str):
+    rules, gaps = _lowering_rules(target)
+    if rules is None:
+        return
+    lowering = "Triton (GPU)" if target == "cuda" else "Mosaic (TPU)"
+    for p in sorted(prims):
+        if p in gaps or (p not in rules and p not in _PLUMBING):
+            raise NotImplementedError(
+                f"mod {mod_name!r} uses primitive {p!r}{where}, which the pallas backend cannot lower "
+                f"for {lowering}; rewrite the mod without it or use backend='xla'")
+
+
+def _collect_prims(jaxpr, acc: set):
+    for eqn in jaxpr.eqns:
+        acc.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            if isinstance(v, jex_core.ClosedJaxpr):
+                _collect_prims(v.jaxpr, acc)
+            elif isinstance(v, jex_core.Jaxpr):
+                _collect_prims(v, acc)
+    return acc
+
+
+@functools.lru_cache(maxsize=256)
+def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
+    """Splits ``mod`` for ``target`` and checks that the kernel part lowers there.
+
+    Raises:
+      NotImplementedError: naming the primitive (or array read) and the mod that the
+        target cannot take.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    jaxpr = mod.jaxpr
+    fl = _Flattener(mod.name)
+    ins = [fl.new(v.aval) for v in jaxpr.invars]
+    (out,) = fl.run(jaxpr, ins)
+    consts, args = tuple(ins[: mod.num_consts]), tuple(ins[mod.num_consts:])
+    names = ("score", "b", "h", "q_idx", "kv_idx") if mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
+    arg_tags = {a: frozenset({_ARG_TAGS[n]}) for a, n in zip(args, names)}
+    nodes = tuple(fl.nodes)
+    deps = _deps(nodes, consts, arg_tags)
+    side = _sides(nodes, deps)
+
+    # Hoisted values the kernel reads, and arrays it gathers from.
+    produced = {o: s for node, s in zip(nodes, side) for o in node.outs}
+    rows, cols, arrays = [], [], []
+    kernel_ins = [x for node, s in zip(nodes, side) if s == "k" for x in node.ins]
+    if not isinstance(out, Lit):
+        kernel_ins.append(out)
+    for node, s in zip(nodes, side):
+        if s != "k":
+            continue
+        is_read = node.prim.name in ("dynamic_slice", "gather")
+        for pos, x in enumerate(node.ins):
+            if isinstance(x, Lit):
+                continue
+            src = produced.get(x, "arg" if x in args else "const")
+            if src == "k" or src == "arg":
+                continue
+            aval = fl.avals[x]
+            if _size1(aval) and "arr" in deps[x] and not (deps[x] <= {"arr"} and aval.shape != ()):
+                hoisted = cols if src == "kv" else rows
+                if x not in hoisted:
+                    hoisted.append(x)
+            elif is_read and pos == 0 and deps[x] <= {"arr"}:
+                if x not in arrays:
+                    arrays.append(x)
+            else:
+                raise NotImplementedError(
+                    f"mod {mod.name!r} computes with a whole captured array of shape {aval.shape} "
+                    f"(primitive {node.prim.name!r}); the pallas backend reads captured arrays one element "
+                    "per position: index them in one step, e.g. table[h, kv_idx - q_idx]")
+    if not isinstance(out, Lit) and produced.get(out, "k") != "k":
+        hoisted = cols if produced[out] == "kv" else rows
+        if out not in hoisted:
+            hoisted.append(out)
+    for n, (node, s) in enumerate(zip(nodes, side)):
+        if s == "k" and node.prim.name in ("dynamic_slice", "gather") and target == "tpu":
+            raise NotImplementedError(
+                f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
+                f"(primitive {node.prim.name!r}); Mosaic TPU cannot gather inside a kernel. Arrays indexed only "
+                "by b, h and q_idx, or only by b, h and kv_idx, are supported; use backend='xla' for this mod")
+        if s == "k" and node.prim.name == "dynamic_slice" and any(sz != 1 for sz in node.params["slice_sizes"]):
+            raise NotImplementedError(
+                f"mod {mod.name!r} slices more than one element of a captured array (primitive 'dynamic_slice'); "
+                "index it one element per position")
+        if s == "k" and node.prim.name == "gather":
+            dn = node.params["dimension_numbers"]
+            nd = len(node.in_avals[0].shape)
+            if dn.offset_dims or sorted(dn.collapsed_slice_dims) != list(range(nd)) or dn.operand_batching_dims:
+                raise NotImplementedError(
+                    f"mod {mod.name!r} uses a gather that is not a one-element read (primitive 'gather'); "
+                    "index the captured array with one integer per dimension")
+
+    def uses(v):
+        return ("b" in deps[v], "h" in deps[v])
+
+    compiled = CompiledMod(mod=mod, target=target, nodes=nodes, args=args, consts=consts, out=out,
+                           side=tuple(side), rows=tuple(rows), cols=tuple(cols), arrays=tuple(arrays),
+                           row_uses=tuple(uses(r) for r in rows), col_uses=tuple(uses(c) for c in cols),
+                           avals=dict(fl.avals))
+    _check_kernel_part(compiled)
+    return compiled
+
+
+def _check_kernel_part(c: CompiledMod):
+    """Traces the kernel part and its VJP at small tile shapes and checks every primitive."""
+    if c.target == "interpret":
+        return
+    tq, tk = 8, 128
+    reads = [node for node, s in zip(c.nodes, c.side) if s == "k" and node.prim.name in ("dynamic_slice", "gather")]
+
+    def f(score, rows, cols, loaded):
+        it = iter(loaded)
+        q = lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
+        kv = lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+        return c.evaluate(score, jnp.int32(0), jnp.int32(0), q, kv, rows, cols, lambda k, idx: next(it))
+
+    rows = tuple(jnp.zeros((tq, 1), c.avals[r].dtype) for r in c.rows)
+    cols = tuple(jnp.zeros((1, tk), c.avals[v].dtype) for v in c.cols)
+    loaded = tuple(jnp.zeros((tq, tk), node.out_avals[0].dtype) for node in reads)
+    score = jnp.zeros((tq, tk), jnp.float32) if c.mod.kind == "score" else None
+    prims = _collect_prims(jax.make_jaxpr(f)(score, rows, cols, loaded).jaxpr, set())
+    _check_prims(prims, c.target, c.name, "")
+    if c.mod.kind == "score":
+        def g(score, rows, cols, loaded):
+            _, vjp = jax.vjp(f, score, rows, cols, loaded)
+            return vjp(jnp.ones((tq, tk), jnp.float32))
+
+        prims = _collect_prims(jax.make_jaxpr(g)(score, rows, cols, loaded).jaxpr, set())
+        _check_prims(prims, c.target, c.name, " in its gradient")

@@ -1,0 +1,463 @@
+"""Sequence-sharded flex_attention: one shard_map, k/v all-gathered or passed around a ring.
+
+Each shard runs flexjax's own flex_attention on its local queries. Its mods and its
+BlockMask are the user's, with local indices mapped back to global batch, head and
+(original, unpermuted) sequence positions; its BlockMask holds only the tiles of the
+global one that touch its queries. Ring attention (Liu et al., https://arxiv.org/abs/2310.01889)
+merges the partial results of each k/v block through their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._api import _check_block_mask, _check_qkv
+from .._api import flex_attention as _flex_attention
+from .._block_mask import EMPTY, BlockMask
+from .._trace import StaticMod, trace_mod
+from ._layout import block_order, positions
+from ._specs import AttentionSpecs, active_specs, axes_of
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one sharded call; hashable (a custom_vjp nondiff argument).
+
+    Attributes:
+      seq_axes, batch_axes, head_axes: the mesh axes sharding q's seq, batch and heads.
+      n: context shards. permuted: layout is permute_tokens order. ring: k/v sharded.
+      q_len, kv_len: global sequence lengths; q_local, kv_local: per shard.
+      batch_local, heads_local: q's per-shard batch and heads.
+      kv_head_slice: k/v heads each shard takes from whole k/v heads, or 0 (k/v heads
+        are sharded like q's, or not sharded at all).
+      group: q heads per k/v head.
+      score, mask: the user's traced mods (None when absent).
+      block_size: the BlockMask's tile, or None without a BlockMask.
+      scale, backend, kernel_options: passed to every per-shard flex_attention.
+    """
+
+    seq_axes: tuple
+    batch_axes: tuple
+    head_axes: tuple
+    n: int
+    permuted: bool
+    ring: bool
+    q_len: int
+    kv_len: int
+    q_local: int
+    kv_local: int
+    batch_local: int
+    heads_local: int
+    kv_head_slice: int
+    group: int
+    score: StaticMod | None
+    mask: StaticMod | None
+    block_size: tuple | None
+    scale: float | None
+    backend: str | None
+    kernel_options: tuple
+
+    @property
+    def kv_blocks_local(self) -> int:
+        return self.kv_local // self.block_size[1]
+
+
+def _axis_name(axes: tuple):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _index(axes: tuple):
+    """This shard's (linearized, major first) index along ``axes``; 0 when unsharded."""
+    return jax.lax.axis_index(_axis_name(axes)) if axes else 0
+
+
+def _shift(x, offset):
+    return x if isinstance(offset, int) and offset == 0 else x + offset
+
+
+# -- one shard, one k/v block -------------------------------------------------------------
+
+def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, src):
+    """flex_attention of this shard's queries against the k/v of layout block ``src``.
+
+    ``states``: this shard's rows of the global tile states, in layout order, int8
+    (Bm, Hm, nQ_local, nKV); ``src``: 0 for all-gathered k/v, the owning shard in a ring.
+    Returns ``(out, lse)`` for the local queries.
+    """
+    b_off = _index(plan.batch_axes) * plan.batch_local
+    h_off = _index(plan.head_axes) * plan.heads_local
+    q_start = _index(plan.seq_axes) * plan.q_local
+    kv_start = src * plan.kv_local
+    kv_n = plan.n if (plan.ring or plan.permuted) else 1
+
+    def global_index(b, h, q_idx, kv_idx):
+        return (_shift(b, b_off), _shift(h, h_off),
+                positions(q_idx, q_start, plan.q_len, plan.n, plan.permuted),
+                positions(kv_idx, kv_start, plan.kv_len, kv_n, plan.permuted))
+
+    score_mod = None
+    if plan.score is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return plan.score(score_consts, score, *global_index(b, h, q_idx, kv_idx))
+
+        score_mod.__name__ = plan.score.name
+    block_mask = None
+    if plan.block_size is not None:
+        if plan.ring:
+            nkv = plan.kv_blocks_local
+            states = jax.lax.dynamic_slice_in_dim(states, src * nkv, nkv, axis=3)
+        mask, consts = None, ()
+        if plan.mask is not None:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return plan.mask(mask_consts, *global_index(b, h, q_idx, kv_idx))
+
+            mask_mod.__name__ = plan.mask.name
+            traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
+            mask, consts = traced.static(), traced.consts
+        block_mask = BlockMask.from_states(states, consts, seq_lengths=(plan.q_local, plan.kv_local),
+                                           block_size=plan.block_size, mask=mask)
+    return _flex_attention(q, k, v, score_mod, block_mask, scale=plan.scale, return_lse=True,
+                           backend=plan.backend, kernel_options=dict(plan.kernel_options) or None)
+
+
+def _vma(*xs) -> tuple:
+    return tuple(sorted(set().union(*(jax.typeof(x).vma for x in xs))))
+
+
+def _varying(x, axes: tuple):
+    """``x`` marked as varying over ``axes`` (loop carries and cond branches must agree)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).vma)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _has_tiles(plan: _Plan, states, src):
+    nkv = plan.kv_blocks_local
+    return (jax.lax.dynamic_slice_in_dim(states, src * nkv, nkv, axis=3) != EMPTY).any()
+
+
+# -- ring ---------------------------------------------------------------------------------
+
+def _rows(w):
+    """(B, H, S) per-row weights as (B, S, H, 1), to scale outputs."""
+    return jnp.swapaxes(w, 1, 2)[..., None]
+
+
+def _merge(out, lse, o, l):
+    """Softmax-merges two partial attentions of the same queries through their lse."""
+    m = jnp.maximum(lse, l)
+    # Rows with no key in either part keep lse -inf and output 0: shift by 0 there.
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w1, w2 = jnp.exp(lse - m), jnp.exp(l - m)
+    total = w1 + w2
+    safe = jnp.where(total > 0, total, 1.0)
+    out = out * _rows(w1 / safe) + o.astype(jnp.float32) * _rows(w2 / safe)
+    return out, jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def _ring_perm(n: int):
+    return [(j, (j + 1) % n) for j in range(n)]
+
+
+def _ring_forward(plan: _Plan, q, k, v, score_consts, mask_consts, states):
+    i = _index(plan.seq_axes)
+    axis = _axis_name(plan.seq_axes)
+    perm = _ring_perm(plan.n)
+    vma = _vma(q, k, v)
+    B, Sq, H, _ = q.shape
+    Dv = v.shape[-1]
+
+    def attend(kv, t):
+        src = (i - t) % plan.n
+        run = functools.partial(_local_attention, plan, q, kv[0], kv[1], score_consts, mask_consts, states, src)
+        if plan.block_size is None:
+            return run()
+        # A k/v block with no tile for these queries is skipped outright.
+        empty = (_varying(jnp.zeros((B, Sq, H, Dv), q.dtype), vma),
+                 _varying(jnp.full((B, H, Sq), -jnp.inf, jnp.float32), vma))
+        return jax.lax.cond(_has_tiles(plan, states, src), run, lambda: empty)
+
+    def step(t, carry):
+        out, lse, kv = carry
+        # Send the block on before using it, so the transfer can overlap the compute.
+        nxt = jax.lax.ppermute(kv, axis, perm)
+        out, lse = _merge(out, lse, *attend(kv, t))
+        return out, lse, nxt
+
+    init = (_varying(jnp.zeros((B, Sq, H, Dv), jnp.float32), vma),
+            _varying(jnp.full((B, H, Sq), -jnp.inf, jnp.float32), vma), (k, v))
+    out, lse, kv = jax.lax.fori_loop(0, plan.n - 1, step, init)
+    out, lse = _merge(out, lse, *attend(kv, plan.n - 1))
+    return out.astype(q.dtype), lse
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(plan, q, k, v, score_consts, mask_consts, states):
+    return _ring_forward(plan, q, k, v, score_consts, mask_consts, states)
+
+
+def _ring_fwd(plan, q, k, v, score_consts, mask_consts, states):
+    out, lse = _ring_forward(plan, q, k, v, score_consts, mask_consts, states)
+    # Only the local k/v block is kept: the backward passes the blocks around again.
+    return (out, lse), (q, k, v, score_consts, mask_consts, states, out, lse)
+
+
+def _ring_bwd(plan, res, cts):
+    """Gradients of the whole ring, one k/v block at a time, dK/dV travelling with K/V.
+
+    Block t's share of the gradient is the vjp of its own flex_attention (recomputed)
+    at cotangents ``dout_t = w_t dO`` and ``dlse_t = w_t (dlse + rowsum(dO (o_t - O)))``,
+    where ``w_t = exp(lse_t - lse)`` is its weight in the merged output ``O``.
+    """
+    q, k, v, score_consts, mask_consts, states, out, lse = res
+    dout, dlse = cts
+    i = _index(plan.seq_axes)
+    axis = _axis_name(plan.seq_axes)
+    perm = _ring_perm(plan.n)
+    vma = _vma(q, k, v)
+    dout32, out32 = dout.astype(jnp.float32), out.astype(jnp.float32)
+    dlse = dlse.astype(jnp.float32)
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    float_idx = [j for j, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+    float_consts = tuple(score_consts[j] for j in float_idx)
+
+    def with_float(consts_f):
+        consts = list(score_consts)
+        for j, c in zip(float_idx, consts_f):
+            consts[j] = c
+        return tuple(consts)
+
+    zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), vma)  # noqa: E731
+
+    def contribution(kv, t):
+        src = (i - t) % plan.n
+
+        def run():
+            def attend(q_, k_, v_, consts_f):
+                return _local_attention(plan, q_, k_, v_, with_float(consts_f), mask_consts, states, src)
+
+            (o_t, l_t), vjp = jax.vjp(attend, q, kv[0], kv[1], float_consts)
+            w = jnp.exp(l_t - lse_safe)
+            do_t = (dout32 * _rows(w)).astype(o_t.dtype)
+            dl_t = w * (dlse + jnp.einsum("bqhd,bqhd->bhq", dout32, o_t.astype(jnp.float32) - out32))
+            grads = vjp((do_t, dl_t))
+            return jax.tree.map(lambda g: _varying(g.astype(jnp.float32), vma), grads)
+
+        if plan.block_size is None:
+            return run()
+        empty = (zeros(q), zeros(kv[0]), zeros(kv[1]), tuple(zeros(c) for c in float_consts))
+        return jax.lax.cond(_has_tiles(plan, states, src), run, lambda: empty)
+
+    def add(acc, g):
+        return jax.tree.map(jnp.add, acc, g)
+
+    def step(t, carry):
+        dq, dconsts, kv, dkv = carry
+        gq, gk, gv, gc = contribution(kv, t)
+        dkv = add(dkv, (gk, gv))
+        kv, dkv = jax.lax.ppermute((kv, dkv), axis, perm)
+        return add(dq, gq), add(dconsts, gc), kv, dkv
+
+    init = (zeros(q), tuple(zeros(c) for c in float_consts), (k, v), (zeros(k), zeros(v)))
+    dq, dconsts, kv, dkv = jax.lax.fori_loop(0, plan.n - 1, step, init)
+    gq, gk, gv, gc = contribution(kv, plan.n - 1)
+    dq, dconsts = add(dq, gq), add(dconsts, gc)
+    # The last block's dK/dV (and with it every block's) goes home in one more hop.
+    dk, dv = jax.lax.ppermute(add(dkv, (gk, gv)), axis, perm)
+    dscore = [_zero_cotangent(c) for c in score_consts]
+    for j, d in zip(float_idx, dconsts):
+        dscore[j] = d.astype(score_consts[j].dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(dscore),
+            jax.tree.map(_zero_cotangent, mask_consts), jax.tree.map(_zero_cotangent, states))
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# -- the shard_map ------------------------------------------------------------------------
+
+def _layout_states(block_mask: BlockMask, n: int, permuted: bool, ring: bool):
+    """Tile states (Bm, Hm, nQ, nKV) with rows and columns in layout order.
+
+    Checks that each shard's chunks are whole BlockMask tiles, so a shard's tiles are
+    exactly tiles of the global BlockMask.
+    """
+    (bq, bkv), (q_len, kv_len) = block_mask.block_size, block_mask.seq_lengths
+    q_chunk = q_len // (2 * n if permuted else n)
+    kv_parts = 2 * n if permuted else (n if ring else 1)
+    kv_chunk = kv_len // kv_parts
+    for what, chunk, block, size in (("query", q_chunk, bq, "block_q"), ("key", kv_chunk, bkv, "block_kv")):
+        if chunk % block:
+            raise ValueError(
+                f"each context shard holds {what} chunks of {chunk} tokens, which the BlockMask's "
+                f"{size}={block} does not divide; rebuild it with create_block_mask(..., "
+                f"block_size=...) using a divisor of {chunk} (e.g. {math.gcd(chunk, block)})")
+    states = block_mask.block_states()
+    if n > 1 and permuted:
+        states = states[:, :, block_order(q_len, bq, n, True)]
+        states = states[:, :, :, block_order(kv_len, bkv, n, True)]
+    return states
+
+
+def _place(x, spec: P, mesh):
+    """Reshards ``x`` to ``spec`` where the mesh has Explicit axes (shard_map needs it)."""
+    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return x
+    return jax.reshard(x, NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec)
+
+
+def _divides(count: int, parts: int, what: str, spec_name: str):
+    if count % parts:
+        raise ValueError(f"{what} ({count}) must be a multiple of the {parts} shards {spec_name} asks for")
+
+
+def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=None, block_mask=None, *,
+                           scale=None, return_lse=False, backend=None, kernel_options=None) -> Any:
+    """flex_attention over the mesh as ``specs`` say (global shapes in, global shapes out)."""
+    _check_qkv(query, key, value)
+    B, Sq, Hq, _ = query.shape
+    Skv, Hkv = key.shape[1], key.shape[2]
+    mesh = specs.resolve_mesh()
+    sizes = specs.axis_sizes(mesh)
+    b_e, s_e, h_e, _ = specs.query
+    kv_s, kv_h = specs.kv[1], specs.kv[2]
+    size = lambda e: math.prod(sizes[a] for a in axes_of(e))  # noqa: E731
+    nb, n, nh = size(b_e), size(s_e), size(h_e)
+    ring = kv_s is not None and n > 1
+    permuted = specs.permuted and n > 1
+    seq_parts = 2 * n if permuted else n
+    _divides(B, nb, "batch", f"query_specs[0]={b_e!r}")
+    _divides(Hq, nh, "query heads", f"query_specs[2]={h_e!r}")
+    _divides(Sq, seq_parts, "query length", f"query_specs[1]={s_e!r}" + (" (2 per shard: permuted)" if permuted else ""))
+    if ring or permuted:
+        _divides(Skv, seq_parts, "key length", f"kv_specs[1]={kv_s!r}" + (" (2 per shard: permuted)" if permuted else ""))
+    group = Hq // Hkv
+    kv_head_slice = 0
+    if kv_h is not None:
+        _divides(Hkv, nh, "key/value heads", f"kv_specs[2]={kv_h!r}")
+    elif nh > 1:
+        local = Hq // nh
+        if local % group and group % local:
+            raise ValueError(
+                f"query heads are sharded {nh} ways ({local} per shard) but k/v heads are whole, with "
+                f"{group} query heads per k/v head; neither divides the other, so shard k/v heads too "
+                f"(kv_specs[2]={h_e!r})")
+        kv_head_slice = max(1, local // group)
+
+    states, mask, mask_consts, block_size, states_spec = (), None, (), None, ()
+    if block_mask is not None:
+        _check_block_mask(block_mask, B, Hq, Sq, Skv)
+        states = _layout_states(block_mask, n, permuted, ring)
+        Bm, Hm = states.shape[:2]
+        states_spec = P(b_e if Bm == B else None, h_e if Hm == Hq else None, s_e, None)
+        mask, mask_consts, block_size = block_mask.mask, tuple(block_mask.mask_consts), block_mask.block_size
+    score, score_consts = None, ()
+    if score_mod is not None:
+        traced = trace_mod(score_mod, "score", arg_name="score_mod")
+        score, score_consts = traced.static(), tuple(traced.consts)
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+
+    plan = _Plan(
+        seq_axes=axes_of(s_e), batch_axes=axes_of(b_e), head_axes=axes_of(h_e), n=n, permuted=permuted,
+        ring=ring, q_len=Sq, kv_len=Skv, q_local=Sq // n, kv_local=Skv // n if ring else Skv,
+        batch_local=B // nb, heads_local=Hq // nh, kv_head_slice=kv_head_slice, group=group,
+        score=score, mask=mask, block_size=block_size, scale=scale, backend=backend,
+        kernel_options=tuple(sorted((kernel_options or {}).items())))
+
+    def body(q, k, v, score_consts, mask_consts, states):
+        if plan.kv_head_slice:
+            start = _index(plan.head_axes) * plan.heads_local // plan.group
+            k, v = (jax.lax.dynamic_slice_in_dim(x, start, plan.kv_head_slice, axis=2) for x in (k, v))
+        if not plan.ring:
+            return _local_attention(plan, q, k, v, score_consts, mask_consts, states, 0)
+        # custom_vjp cotangents must vary like the primals: make the replicated ones vary.
+        vma = _vma(q, k, v)
+        score_consts = tuple(_varying(c, vma) for c in score_consts)
+        return _ring(plan, q, k, v, score_consts, mask_consts, states)
+
+    q_spec, kv_spec = P(b_e, s_e, h_e, None), P(b_e, kv_s, kv_h, None)
+    in_specs = (q_spec, kv_spec, kv_spec, tuple(P() for _ in score_consts),
+                tuple(P() for _ in mask_consts), states_spec)
+    args = (query, key, value, score_consts, mask_consts, states)
+    args = jax.tree.map(lambda x, s: _place(x, s, mesh), args, in_specs,
+                        is_leaf=lambda x: isinstance(x, P))
+    # check_vma=False: the mods' jaxprs and the backends were traced without manual axes.
+    out, lse = jax.shard_map(body, mesh=specs.mesh, in_specs=in_specs, check_vma=False,
+                             out_specs=(q_spec, P(b_e, h_e, s_e)))(*args)
+    return (out, lse) if return_lse else out
+
+
+# -- entry points -------------------------------------------------------------------------
+
+def maybe_sharded_attention(query, key, value, score_mod=None, block_mask=None, *, scale=None,
+                            return_lse=False, backend=None, kernel_options=None) -> Any:
+    """The hook of ``flexjax.flex_attention``: the sharded result, or NotImplemented.
+
+    NotImplemented (run the ordinary single-device path) when no ``attention_specs`` is
+    active, when it names no mesh axis, or inside a ``shard_map`` over its axes (the
+    arrays there are already per-shard).
+    """
+    specs = active_specs()
+    if specs is None or not specs.names():
+        return NotImplemented
+    if set(specs.names()) & set(jax.sharding.get_abstract_mesh().manual_axes):
+        return NotImplemented
+    return sharded_flex_attention(specs, query, key, value, score_mod, block_mask, scale=scale,
+                                  return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+
+
+def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                   score_mod: Callable | None = None, block_mask: BlockMask | None = None, *,
+                   scale: float | None = None, return_lse: bool = False,
+                   backend: str | None = None, kernel_options: dict | None = None) -> Any:
+    """``flexjax.flex_attention``, sharded as the active ``attention_specs`` say.
+
+    Same arguments and results, with global shapes: q/k/v are (batch, seq, heads,
+    head_dim) arrays of the whole problem (in ``permute_tokens`` order when the specs
+    are permuted), ``block_mask`` is built for the whole sequence in original positions,
+    and the output (and lse) come back sharded like the query. Without active specs it
+    is ``flexjax.flex_attention``.
+    """
+    out = maybe_sharded_attention(query, key, value, score_mod, block_mask, scale=scale,
+                                  return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+    if out is NotImplemented:
+        return _flex_attention(query, key, value, score_mod, block_mask, scale=scale,
+                               return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+    return out
+
+
+def visited_tiles(block_mask: BlockMask) -> np.ndarray:
+    """BlockMask tiles each context shard computes, under the active ``attention_specs``.
+
+    Returns:
+      int64 ``(n, steps)``: row i is shard i; ``steps`` is 1 for all-gathered k/v and n
+      for the ring (column t: the k/v block it holds at step t). Tiles are counted over
+      the BlockMask's (b, h) rows; a shard skips every other tile.
+    """
+    specs = active_specs()
+    if specs is None:
+        raise ValueError("visited_tiles reads the active attention_specs; call it inside `with attention_specs(...):`")
+    n = specs.context_shards()
+    ring = specs.kv[1] is not None and n > 1
+    states = np.asarray(_layout_states(block_mask, n, specs.permuted and n > 1, ring))
+    per_tile = (states != EMPTY).sum((0, 1))
+    rows = per_tile.reshape(n, -1, per_tile.shape[-1]).sum(1)
+    if not ring:
+        return rows.sum(-1, keepdims=True)
+    blocks = rows.reshape(n, n, -1).sum(-1)  # [shard, owner of the k/v block]
+    return np.stack([blocks[i, (i - np.arange(n)) % n] for i in range(n)])

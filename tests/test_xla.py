@@ -1,0 +1,106 @@
+"""The xla backend against the dense reference over the catalog, forward and backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flexjax
+from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads
+from checks import assert_close
+
+# Small compute tiles (multiples of the 64 mask block) so that coarsening, several tiles
+# per row and ragged edges are all exercised at test sizes.
+SMALL_TILES = {"block_q": 128, "block_kv": 64, "bwd_block_q": 64, "bwd_block_kv": 128}
+
+
+def _run(case, shape, dtype, backend, kernel_options=None):
+    bm, params, attention = build(case, shape)
+    q, k, v, do = inputs(shape, dtype)
+    kw = {"backend": backend}
+    if kernel_options:
+        kw["kernel_options"] = kernel_options
+    out, lse, grads = loss_and_grads(attention, q, k, v, do, params, **kw)
+    return (out, lse, grads)
+
+
+def _check(case, shape, dtype, kernel_options=None):
+    got = _run(case, shape, dtype, "xla", kernel_options)
+    if dtype == jnp.float32:
+        truth = ref = _run(case, shape, jnp.float32, "reference")
+    else:
+        # Truth: the float32 reference on the same (rounded) inputs; the same-dtype
+        # reference sets how much rounding error is expected.
+        bm, params, attention = build(case, shape)
+        q, k, v, do = inputs(shape, dtype)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+        truth = loss_and_grads(attention, *f32, params, backend="reference")
+        ref = _run(case, shape, dtype, "reference")
+    assert_close(f"{case.name}/{dtype.__name__}", got, truth, ref, dtype)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("case", CATALOG, ids=[c.name for c in CATALOG])
+def test_catalog_float32(case, shape):
+    _check(case, SHAPES[shape], jnp.float32, SMALL_TILES)
+
+
+@pytest.mark.parametrize("case", CATALOG, ids=[c.name for c in CATALOG])
+def test_catalog_default_tiles(case):
+    _check(case, SHAPES["gqa_unequal"], jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", ["causal+soft_cap", "prefix_lm+relative_bias", "fully_masked_rows", "document+t5"])
+def test_catalog_low_precision(name, dtype):
+    _check(BY_NAME[name], SHAPES["gqa_unequal"], dtype, SMALL_TILES)
+
+
+def test_deterministic():
+    case = BY_NAME["per_head_mask+relative_bias"]
+    a = _run(case, SHAPES["mha"], jnp.float32, "xla", SMALL_TILES)
+    b = _run(case, SHAPES["mha"], jnp.float32, "xla", SMALL_TILES)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_fully_masked_rows_are_zero_with_finite_grads():
+    case = BY_NAME["fully_masked_rows"]
+    out, lse, grads = _run(case, SHAPES["mha"], jnp.float32, "xla", SMALL_TILES)
+    assert np.all(np.asarray(out[:, :10]) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :10])))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_long_sequence_smoke():
+    """S=4096 causal with soft-cap, forward and backward, against the reference on a slice."""
+    B, S, H, D = 1, 4096, 2, 16
+    q, k, v, do = inputs((B, S, S, H, H, D, D), jnp.float32, seed=3)
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, S, S)
+    sm = flexjax.mods.soft_cap(5.0)
+
+    def loss(q, k, v, backend):
+        return jnp.sum(flexjax.flex_attention(q, k, v, sm, bm, backend=backend) * do)
+
+    g_xla = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(q, k, v, "xla")
+    g_ref = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(q, k, v, "reference")
+    for a, b in zip(g_xla, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-3)
+
+
+def test_bad_kernel_options():
+    q, k, v, _ = inputs(SHAPES["mha"], jnp.float32)
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, 192, 192, block_size=64)
+    with pytest.raises(ValueError, match="block_q.*multiple of the BlockMask's block"):
+        flexjax.flex_attention(q, k, v, block_mask=bm, backend="xla", kernel_options={"block_q": 96})
+    with pytest.raises(NotImplementedError, match="unknown kernel_options"):
+        flexjax.flex_attention(q, k, v, block_mask=bm, backend="xla", kernel_options={"num_warps": 4})
+
+
+def test_default_backend_on_cpu_is_xla():
+    from flexjax.backends import platform_backends
+
+    assert platform_backends("cpu")[-1] == "xla"
+    assert platform_backends("cpu")[0] == "xla"
