@@ -60,7 +60,12 @@ def _check_dim(name: str, value, allow_none: bool) -> int:
 
 
 def _check_block_size(block_size) -> tuple[int, int]:
-    bs = (block_size, block_size) if isinstance(block_size, (int, np.integer)) else tuple(block_size)
+    if isinstance(block_size, (int, np.integer)):
+        bs = (block_size, block_size)
+    elif isinstance(block_size, (tuple, list)):
+        bs = tuple(block_size)
+    else:
+        bs = ()
     if len(bs) != 2 or any(
         isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in bs
     ):

@@ -1,0 +1,165 @@
+"""flex_attention's contract: semantics, the reference backend, transforms and input errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import flexjax
+from flexjax import flex_attention, masks, mods
+
+
+def _qkv(B=2, Sq=24, Skv=24, Hq=4, Hkv=4, D=8, Dv=8, dtype=jnp.float32, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(k1, (B, Sq, Hq, D), dtype), jax.random.normal(k2, (B, Skv, Hkv, D), dtype),
+            jax.random.normal(k3, (B, Skv, Hkv, Dv), dtype))
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("Hkv", [4, 2, 1])
+def test_matches_jax_dot_product_attention(backend, Hkv):
+    q, k, v = _qkv(Sq=40, Skv=56, Hkv=Hkv)
+    mm = masks.sliding_window(9, 3)
+    bm = flexjax.create_block_mask(mm, None, None, 40, 56, block_size=16)
+    dense = flexjax.create_mask(mm, None, None, 40, 56)
+    want = jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="xla")
+    got = flex_attention(q, k, v, block_mask=bm, backend=backend)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+def test_scale_and_lse_semantics():
+    q, k, v = _qkv(B=1, Sq=5, Skv=7, Hq=2, Hkv=2, D=3, Dv=3)
+    out, lse = flex_attention(q, k, v, scale=0.3, return_lse=True, backend="reference")
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(jax.nn.logsumexp(s, -1)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)),
+                               atol=1e-5)
+    assert lse.dtype == jnp.float32 and lse.shape == (1, 2, 5)
+    default = flex_attention(q, k, v, backend="xla")
+    explicit = flex_attention(q, k, v, scale=1 / np.sqrt(3), backend="xla")
+    np.testing.assert_allclose(np.asarray(default), np.asarray(explicit), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+def test_fully_masked_rows(backend):
+    q, k, v = _qkv(Sq=20, Skv=20)
+    bm = flexjax.create_block_mask(lambda b, h, qi, kv: (qi >= 8) & (kv <= qi), None, None, 20, 20, block_size=8)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, backend=backend)
+    assert (np.asarray(out[:, :8]) == 0).all()
+    assert np.isneginf(np.asarray(lse[:, :, :8])).all()
+    g = jax.grad(lambda q, k, v: flex_attention(q, k, v, block_mask=bm, backend=backend).sum(), (0, 1, 2))(q, k, v)
+    assert all(np.isfinite(np.asarray(x)).all() for x in g)
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+def test_check_grads_with_captured_table(backend):
+    q, k, v = _qkv(B=1, Sq=12, Skv=12, Hq=2, Hkv=1, D=4, Dv=3)
+    table = 0.5 * jax.random.normal(jax.random.PRNGKey(3), (2, 23))
+    bm = flexjax.create_block_mask(masks.causal, None, None, 12, 12, block_size=4)
+
+    def f(q, k, v, table):
+        out, lse = flex_attention(q, k, v, mods.relative_bias(table), bm, return_lse=True, backend=backend,
+                                  kernel_options={"block_q": 8, "block_kv": 4} if backend == "xla" else None)
+        return out.sum() * 0.1 + jnp.tanh(out).sum() + 0.1 * lse.sum()
+
+    check_grads(f, (q, k, v, table), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_jit_grad_vmap_and_traced_captures():
+    q, k, v = _qkv(B=1, Sq=32, Skv=32, Hq=2, Hkv=2, D=8, Dv=8)
+    slopes = jnp.asarray([0.5, 0.25])
+    bm = flexjax.create_block_mask(masks.causal, None, None, 32, 32, block_size=16)
+
+    @jax.jit
+    def loss(q, k, v, slopes):
+        return flex_attention(q, k, v, mods.alibi_from_slopes(slopes), bm).sum()
+
+    g = jax.grad(loss, 3)(q, k, v, slopes)
+    g_ref = jax.grad(lambda *a: flex_attention(a[0], a[1], a[2], mods.alibi_from_slopes(a[3]), bm,
+                                               backend="reference").sum(), 3)(q, k, v, slopes)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-4)
+    stacked = jnp.stack([q, 2 * q])
+    out = jax.vmap(lambda q: flex_attention(q, k, v, block_mask=bm))(stacked)
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(flex_attention(2 * q, k, v, block_mask=bm)), atol=1e-5)
+
+
+def test_block_mask_built_in_jit_used_in_jit():
+    q, k, v = _qkv(B=2, Sq=64, Skv=64)
+    ids = jnp.asarray(np.stack([np.arange(64) // 16, np.arange(64) // 32]), jnp.int32)
+
+    @jax.jit
+    def f(q, k, v, ids):
+        bm = flexjax.create_block_mask(masks.document(ids), 2, None, 64, 64, block_size=16)
+        return flex_attention(q, k, v, block_mask=bm)
+
+    want = flex_attention(q, k, v, block_mask=flexjax.create_block_mask(masks.document(ids), 2, None, 64, 64,
+                                                                        block_size=16), backend="reference")
+    np.testing.assert_allclose(np.asarray(f(q, k, v, ids)), np.asarray(want), atol=1e-5)
+
+
+def test_output_dtype_follows_query():
+    for dt in (jnp.bfloat16, jnp.float16):
+        q, k, v = _qkv(dtype=dt)
+        out, lse = flex_attention(q, k, v, return_lse=True)
+        assert out.dtype == dt and lse.dtype == jnp.float32
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def _err(exc, match, *args, **kw):
+    with pytest.raises(exc, match=match):
+        flex_attention(*args, **kw)
+
+
+def test_errors_shapes():
+    q, k, v = _qkv()
+    _err(ValueError, "query must have rank 4", q[0], k, v)
+    _err(ValueError, "key must have rank 4", q, k[0], v)
+    _err(ValueError, "batch sizes differ", q, k[:1], v[:1])
+    _err(ValueError, "key head_dim 4 must equal query head_dim 8", q, k[..., :4], v)
+    _err(ValueError, "value must have the key's seq and heads", q, k, v[:, :10])
+    q3, k3, v3 = _qkv(Hq=6, Hkv=4)
+    _err(ValueError, r"query heads \(6\) must be a multiple of key/value heads \(4\)", q3, k3, v3)
+    _err(TypeError, "must share a dtype", q, k.astype(jnp.bfloat16), v)
+    _err(TypeError, "query must be float32, bfloat16 or float16", q.astype(jnp.int32), k, v)
+    _err(TypeError, "query must be a JAX array", [1, 2], k, v)
+
+
+def test_errors_block_mask():
+    q, k, v = _qkv()
+    _err(ValueError, r"built for Q_LEN=32, KV_LEN=24 but query has 24 tokens.*create_block_mask",
+         q, k, v, block_mask=flexjax.create_block_mask(masks.causal, None, None, 32, 24))
+    _err(ValueError, "built for B=3 but query has batch 2",
+         q, k, v, block_mask=flexjax.create_block_mask(masks.causal, 3, None, 24, 24))
+    _err(ValueError, "built for H=2 but query has 4 heads",
+         q, k, v, block_mask=flexjax.create_block_mask(masks.causal, None, 2, 24, 24))
+    _err(TypeError, "block_mask must be a BlockMask", q, k, v, block_mask=np.ones((24, 24), bool))
+
+
+def test_errors_mods_and_options():
+    q, k, v = _qkv()
+    _err(TypeError, "score_mod 'f' must keep scalar semantics", q, k, v, score_mod=_shape_changing)
+    _err(TypeError, "takes 4 positional arguments.*Did you pass a mask_mod as score_mod", q, k, v,
+         score_mod=masks.causal)
+    _err(TypeError, "must return a floating score", q, k, v, score_mod=lambda s, b, h, qi, kv: qi)
+    _err(TypeError, "use jnp.where instead of if/else", q, k, v, score_mod=_python_if)
+    _err(TypeError, "scale must be a Python float", q, k, v, scale=jnp.ones(2))
+    _err(ValueError, "backend must be one of", q, k, v, backend="cuda")
+    _err(TypeError, "kernel_options must be a dict", q, k, v, kernel_options=[1])
+    _err(NotImplementedError, "takes no kernel_options", q, k, v, backend="reference", kernel_options={"block_q": 1})
+
+
+def _shape_changing(score, b, h, q_idx, kv_idx):
+    return jnp.stack([score, score])
+
+
+_shape_changing.__name__ = "f"
+
+
+def _python_if(score, b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:
+        return score
+    return -score
