@@ -27,8 +27,9 @@ class AttentionSpec:
       q_len, kv_len: sequence lengths.
       block_size: the BlockMask's (block_q, block_kv).
       kernel_options: the user's options as a sorted tuple of (key, value) pairs.
-      sparse: whether most tiles of the BlockMask are empty (None when it is traced);
-        backends may pick tiles from it.
+      kv_band: the widest kv range, in positions, from the first to the last non-empty
+        tile of any q block (None when the BlockMask is traced); backends may pick tiles
+        from it (a band of width 256 wants other tiles than causal attention).
     """
 
     score: StaticMod | None
@@ -38,7 +39,7 @@ class AttentionSpec:
     kv_len: int
     block_size: tuple[int, int]
     kernel_options: tuple = ()
-    sparse: bool | None = None
+    kv_band: int | None = None
 
     @property
     def options(self) -> dict:
@@ -99,18 +100,25 @@ def _check_block_mask(block_mask, B, Hq, Sq, Skv):
         )
 
 
-# A mask whose non-empty tiles are under this fraction is "sparse" (band-like).
-_SPARSE_DENSITY = 0.2
+def _kv_band(block_mask: BlockMask) -> int | None:
+    """Widest (last - first + 1) non-empty kv block range of any q block, in positions.
 
-
-def _is_sparse(block_mask: BlockMask) -> bool | None:
-    """Whether most tiles are empty, when the BlockMask is concrete; None under tracing."""
-    counts = (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks)
-    if any(isinstance(c, jax.core.Tracer) for c in counts):
+    None when the BlockMask is traced (not known until run time).
+    """
+    lists = block_mask.tree_flatten()[0][:4]
+    if any(isinstance(x, jax.core.Tracer) for x in lists):
         return None
-    nq, nkv = block_mask.num_blocks
-    nonempty = (np.asarray(counts[0]).sum() + np.asarray(counts[1]).sum()) / counts[0].size
-    return bool(nonempty / nkv < _SPARSE_DENSITY)
+    kv_n, kv_i, fkv_n, fkv_i = (np.asarray(x) for x in lists)
+    nkv = kv_i.shape[-1]
+    rows = np.arange(nkv)
+
+    def ends(n, idx):
+        valid = rows < n[..., None]
+        return (np.where(valid, idx, nkv).min(-1), np.where(valid, idx, -1).max(-1))
+
+    (f0, l0), (f1, l1) = ends(kv_n, kv_i), ends(fkv_n, fkv_i)
+    width = np.maximum(l0, l1) - np.minimum(f0, f1) + 1
+    return int(max(width.max(), 1)) * block_mask.block_size[1]
 
 
 def _options_tuple(kernel_options) -> tuple:
@@ -168,7 +176,7 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
                          kv_len=Skv, block_size=block_mask.block_size,
                          kernel_options=_options_tuple(kernel_options),
-                         sparse=_is_sparse(block_mask))
+                         kv_band=_kv_band(block_mask))
     names = platform_backends() if backend is None else (backend,)
     impl = None
     for name in names:

@@ -45,32 +45,43 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def heuristics(platform: str, block_size: tuple[int, int], q_len: int, kv_len: int,
-               sparse: bool | None) -> KernelOptions:
-    """Default tiles for ``platform``.
+# Masks whose q blocks attend to at most this many kv positions (first to last non-empty
+# tile) run the band forward: one contiguous kv slice per q tile, one matmul, no loop.
+# Sliding window 256 at S=8192 (band 384): band forward ~2x less CPU than 128x128 loops.
+_BAND_MAX = 1024
 
-    ``sparse`` says whether most tiles are empty (known when the BlockMask is concrete;
-    None when it is traced, and then the dense-ish default is used).
+
+def heuristics(platform: str, block_size: tuple[int, int], q_len: int, kv_len: int,
+               kv_band: int | None) -> KernelOptions:
+    """Default tiles for ``platform`` (this backend's numbers were measured on a 2-core CPU).
+
+    ``kv_band`` is the widest kv range a q block attends to (known when the BlockMask is
+    concrete; None when it is traced, and then the dense default is used).
     """
     bq, bkv = block_size
-    if sparse:
-        # Band-like masks (sliding window, small documents): big tiles would mostly
-        # compute masked pairs; mask-block tiles waste least.
+    if kv_band is not None and kv_band <= _BAND_MAX:
+        # Band-like masks (sliding window, short documents): big tiles would mostly
+        # compute masked pairs; ~128-row tiles waste least.
         fq, fk = max(1, 128 // bq), max(1, 128 // bkv)
     else:
-        # 2-core CPU, f32, D=64: q 512 x kv 256 reached ~200 effective GFLOP/s on causal
-        # S=4096 (DESIGN.md); smaller tiles pay ~tens of us per loop step.
+        # f32, D=64: q 512 x kv 256 reached ~200 effective GFLOP/s on causal S=4096
+        # (DESIGN.md); smaller tiles pay ~tens of us per loop step.
         fq, fk = max(1, 512 // bq), max(1, 256 // bkv)
     tq = min(bq * fq, _round_up(q_len, bq))
     tk = min(bkv * fk, _round_up(kv_len, bkv))
     return KernelOptions(block_q=tq, block_kv=tk, bwd_block_q=tq, bwd_block_kv=tk)
 
 
-def _resolve(spec) -> KernelOptions:
+def _resolve(spec) -> tuple[KernelOptions, int | None]:
+    """The tiles for ``spec`` and, when the forward runs as a band, its kv width."""
     opts = spec.options
-    default = heuristics(jax.default_backend(), spec.block_size, spec.q_len, spec.kv_len, spec.sparse)
+    default = heuristics(jax.default_backend(), spec.block_size, spec.q_len, spec.kv_len, spec.kv_band)
     values = {f: opts.get(f) or getattr(default, f) for f in _FIELDS}
-    return KernelOptions(**values)
+    band = None
+    if spec.kv_band is not None and spec.kv_band <= _BAND_MAX and "block_q" not in opts and "block_kv" not in opts:
+        band = spec.kv_band
+        values["block_kv"] = spec.block_size[1]
+    return KernelOptions(**values), band
 
 
 def unsupported_reason(spec, q, k, v):
@@ -122,21 +133,17 @@ class _Geom:
     kv_len: int
 
 
-def _pad_seq(x, n):
-    """Pads axis -2 (seq) of x to length n with zeros."""
+def _pad_seq(x, n, axis=-2):
+    """Pads ``axis`` (a sequence axis) of x to length n with zeros."""
     pad = [(0, 0)] * x.ndim
-    pad[-2] = (0, n - x.shape[-2])
+    pad[axis] = (0, n - x.shape[axis])
     return jnp.pad(x, pad)
 
 
-def _to_tiles(q, k, v, g):
-    """(B, S, H, D) inputs to (B, Hkv, G, Sq_pad, D) and (B, Hkv, Skv_pad, D), float32."""
-    B, Sq, Hq, D = q.shape
-    Hkv = k.shape[2]
-    qt = jnp.transpose(q.astype(jnp.float32), (0, 2, 1, 3)).reshape(B, Hkv, Hq // Hkv, Sq, D)
-    kt = jnp.transpose(k.astype(jnp.float32), (0, 2, 1, 3))
-    vt = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))
-    return _pad_seq(qt, g.nq * g.tq), _pad_seq(kt, g.nk * g.tk), _pad_seq(vt, g.nk * g.tk)
+def _heads_major(x, hkv):
+    """(B, S, H, D) -> float32 (B, Hkv, H // Hkv, S, D)."""
+    B, S, H, D = x.shape
+    return jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)).reshape(B, hkv, H // hkv, S, D)
 
 
 def _tile_indices(g, i, j):
@@ -146,50 +153,64 @@ def _tile_indices(g, i, j):
     return (jnp.minimum(qi, g.q_len - 1), jnp.minimum(ki, g.kv_len - 1), qi < g.q_len, ki < g.kv_len)
 
 
-def _slice_seq(x, start, size):
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 2)
+def _slice(x, start, size, axis):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _scores(spec, g, score_consts, mask_consts, qt, kt, b_ids, h_ids, i, j, masked):
-    """Raw scores and the score_mod'ed, masked scores of tile (i, j); f32 (..., tq, tk)."""
-    s_raw = jnp.einsum("bhgqd,bhkd->bhgqk", qt, kt, preferred_element_type=jnp.float32) * spec.scale
-    qi, ki, qv, kv = _tile_indices(g, i, j)
-    b = b_ids[:, None, None, None, None]
-    h = h_ids[None, :, :, None, None]
+def _rows(x, lead):
+    """(Bs, Hs, [Gs,] a, b) tile -> (Bs * Hs, [Gs *] a, b): a free reshape of a fresh slice."""
+    return x.reshape((lead[0] * lead[1], -1) + x.shape[-1:])
 
-    def mod(s, consts):
-        return apply_score_mod(spec, consts, s, b, h, qi, ki)
 
-    ok = allowed(spec, mask_consts, b, h, qi, ki, qv, kv) if masked else None
-    return s_raw, mod, ok
+def _bmm(a, b):
+    """(N, M, K) @ (N, K, P) -> (N, M, P) in float32.
+
+    Every matmul here is laid out so the contraction is a's last axis and b's middle
+    one: XLA:CPU then calls its matmul directly instead of first transposing a
+    (tq, tk)-sized tile (measured: those copies cost more than the matmuls).
+    """
+    return jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+
+
+class _Tile:
+    """Index arguments and the mask of tile (i, j), shaped (Bs, Hs, Gs, tq, tk)."""
+
+    def __init__(self, spec, g, mask_consts, b_ids, h_ids, i, j, masked):
+        self.q_idx, self.kv_idx, q_ok, kv_ok = _tile_indices(g, i, j)
+        self.b = b_ids[:, None, None, None, None]
+        self.h = h_ids[None, :, :, None, None]
+        self.ok = allowed(spec, mask_consts, self.b, self.h, self.q_idx, self.kv_idx, q_ok, kv_ok) if masked else None
+
+    def score_mod(self, spec, consts, s):
+        return apply_score_mod(spec, consts, s, self.b, self.h, self.q_idx, self.kv_idx)
 
 
 # -- forward -------------------------------------------------------------------------------
 
-def _fwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, lists, b_ids, h_ids):
+def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids):
     """Forward for one group of (batch, head) rows that share their tile lists.
 
-    qt: (Bs, Hs, Gs, Sq_pad, D); kt, vt: (Bs, Hs, Skv_pad, D); lists: coarse tile lists
-    with the (b, h) axes already removed, (nQ,) / (nQ, nKV). Returns out (Bs, Hs, Gs,
+    qt: (Bs, Hs, Gs, Sq_pad, D); kT: (Bs, Hs, D, Skv_pad); vt: (Bs, Hs, Skv_pad, Dv);
+    lists: coarse tile lists of this group, (nQ,) / (nQ, nKV). Returns out (Bs, Hs, Gs,
     Sq_pad, Dv) and lse (Bs, Hs, Gs, Sq_pad), float32.
     """
     kv_n, kv_i, fkv_n, fkv_i = lists[:4]
     lead = qt.shape[:3]
     dv = vt.shape[-1]
+    tile_shape = lead + (g.tq, g.tk)
 
     def q_tile(i):
-        q_i = _slice_seq(qt, i * g.tq, g.tq)
+        q_i = _rows(_slice(qt, i * g.tq, g.tq, 3), lead)
 
         def step(masked, idx_list):
             def body(t, carry):
                 m, l, acc = carry
                 j = idx_list[t]
-                k_j = _slice_seq(kt, j * g.tk, g.tk)
-                v_j = _slice_seq(vt, j * g.tk, g.tk)
-                s_raw, mod, ok = _scores(spec, g, score_consts, mask_consts, q_i, k_j, b_ids, h_ids, i, j, masked)
-                s = mod(s_raw, score_consts)
+                tile = _Tile(spec, g, mask_consts, b_ids, h_ids, i, j, masked)
+                s = _bmm(q_i, _rows(_slice(kT, j * g.tk, g.tk, 3), lead)) * spec.scale
+                s = tile.score_mod(spec, score_consts, s.reshape(tile_shape))
                 if masked:
-                    s = jnp.where(ok, s, MASK_VALUE)
+                    s = jnp.where(tile.ok, s, MASK_VALUE)
                 m_new = jnp.maximum(m, s.max(-1))
                 # m starts at ROW_INIT > MASK_VALUE, so excluded pairs give exp(<= -1e38) = 0
                 # even in rows with no allowed key yet, with no -inf arithmetic (which was
@@ -197,8 +218,8 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, lists, b_ids, h_id
                 p = jnp.exp(s - m_new[..., None])
                 alpha = jnp.exp(m - m_new)
                 l = l * alpha + p.sum(-1)
-                acc = acc * alpha[..., None] + jnp.einsum(
-                    "bhgqk,bhkd->bhgqd", p, v_j, preferred_element_type=jnp.float32)
+                pv = _bmm(_rows(p, lead), _rows(_slice(vt, j * g.tk, g.tk, 2), lead))
+                acc = acc * alpha[..., None] + pv.reshape(acc.shape)
                 return m_new, l, acc
 
             return body
@@ -210,8 +231,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, lists, b_ids, h_id
         carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
         m, l, acc = carry
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        lse = finish_lse(m, l)
-        return out, lse
+        return out, finish_lse(m, l)
 
     outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32))
     # (nQ, Bs, Hs, Gs, tq, ...) -> (Bs, Hs, Gs, nQ * tq, ...)
@@ -220,18 +240,64 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, lists, b_ids, h_id
     return out, lse
 
 
+def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids):
+    """Forward for band-like masks: each q tile attends one contiguous kv slice.
+
+    The slice starts at the q tile's first non-empty kv tile and is ``width`` positions
+    long, which covers every non-empty tile (``width`` is the mask's widest band); the
+    mask_mod decides inside it. One matmul pair per q tile and a plain softmax replace
+    the loop over tiles, whose per-step cost dominates for narrow bands.
+    Shapes as in ``_fwd_core``; kT and vt are padded to at least ``width``.
+    """
+    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    lead = qt.shape[:3]
+    skv_pad = kT.shape[-1]
+    nkv = kv_i.shape[-1]
+
+    def q_tile(i):
+        first = jnp.minimum(jnp.where(kv_n[i] > 0, kv_i[i, 0], nkv), jnp.where(fkv_n[i] > 0, fkv_i[i, 0], nkv))
+        start = jnp.clip(first * g.tk, 0, skv_pad - width)
+        q_idx = i * g.tq + jnp.arange(g.tq, dtype=jnp.int32)[:, None]
+        kv_idx = start + jnp.arange(width, dtype=jnp.int32)[None, :]
+        b = b_ids[:, None, None, None, None]
+        h = h_ids[None, :, :, None, None]
+        q_c, kv_c = jnp.minimum(q_idx, g.q_len - 1), jnp.minimum(kv_idx, g.kv_len - 1)
+        ok = allowed(spec, mask_consts, b, h, q_c, kv_c, q_idx < g.q_len, kv_idx < g.kv_len)
+        ok = ok & (kv_n[i] + fkv_n[i] > 0)
+        s = _bmm(_rows(_slice(qt, i * g.tq, g.tq, 3), lead), _rows(_slice(kT, start, width, 3), lead))
+        s = apply_score_mod(spec, score_consts, (s * spec.scale).reshape(lead + (g.tq, width)), b, h, q_c, kv_c)
+        s = jnp.where(ok, s, MASK_VALUE)
+        # The floor ROW_INIT (> MASK_VALUE) makes fully excluded rows give p = 0, not 1.
+        m = jnp.maximum(s.max(-1), ROW_INIT)
+        p = jnp.exp(s - m[..., None])
+        l = p.sum(-1)
+        pv = _bmm(_rows(p, lead), _rows(_slice(vt, start, width, 2), lead)).reshape(lead + (g.tq, -1))
+        return pv / jnp.where(l > 0, l, 1.0)[..., None], finish_lse(m, l)
+
+    outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32))
+    out = jnp.moveaxis(outs, 0, 3).reshape(lead + (g.nq * g.tq, vt.shape[-1]))
+    lse = jnp.moveaxis(lses, 0, 3).reshape(lead + (g.nq * g.tq,))
+    return out, lse
+
+
 # -- backward ------------------------------------------------------------------------------
 
-def _bwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, dot, lse, delta, lists, b_ids, h_ids):
+def _bwd_core(spec, g, score_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, lse, delta, lists, b_ids, h_ids):
     """dq, dk, dv and score-const gradients for one group of rows sharing tile lists.
 
-    Walks kv tiles in order; for each, its q tiles (transposed lists) carrying the
-    tile's dK/dV; dQ accumulates into a carried array. Sequential, so deterministic.
+    qt, dot: (Bs, Hs, Gs, Sq_pad, D / Dv) and their transposes qT, doT (Bs, Hs, Gs, D / Dv,
+    Sq_pad); kT, vT: (Bs, Hs, D / Dv, Skv_pad); kt: (Bs, Hs, Skv_pad, D); lse, delta: (Bs,
+    Hs, Gs, Sq_pad). Walks kv tiles in order and, for each,
+    its q tiles (transposed lists), carrying the tile's dK^T/dV^T; dQ accumulates into a
+    carried array. Sequential, so deterministic.
     """
     q_n, q_i, fq_n, fq_i = lists[4:]
     float_idx = [n for n, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
     lead = qt.shape[:3]
-    d, dv_dim = qt.shape[-1], vt.shape[-1]
+    n_rows = lead[0] * lead[1]
+    d, dv_dim = qt.shape[-1], dot.shape[-1]
+    tile_shape = lead + (g.tq, g.tk)
+    # Rows with lse = -inf have no allowed key: every P there is masked to 0 anyway.
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
 
     def with_float(consts_f):
@@ -241,52 +307,59 @@ def _bwd_core(spec, g, score_consts, mask_consts, qt, kt, vt, dot, lse, delta, l
         return tuple(consts)
 
     def kv_tile(j, carry):
-        dq, dk_all, dv_all, dconsts = carry
-        k_j = _slice_seq(kt, j * g.tk, g.tk)
-        v_j = _slice_seq(vt, j * g.tk, g.tk)
+        dq, dkT_all, dvT_all, dconsts = carry
+        kT_j = _rows(_slice(kT, j * g.tk, g.tk, 3), lead)
+        vT_j = _rows(_slice(vT, j * g.tk, g.tk, 3), lead)
+        k_j = _rows(_slice(kt, j * g.tk, g.tk, 2), lead)
 
         def step(masked, idx_list):
             def body(t, inner):
-                dq, dk, dv, dconsts = inner
+                dq, dkT, dvT, dconsts = inner
                 i = idx_list[t]
-                q_i = _slice_seq(qt, i * g.tq, g.tq)
-                do_i = _slice_seq(dot, i * g.tq, g.tq)
-                lse_i = jax.lax.dynamic_slice_in_dim(lse_safe, i * g.tq, g.tq, axis=3)
-                delta_i = jax.lax.dynamic_slice_in_dim(delta, i * g.tq, g.tq, axis=3)
-                s_raw, mod, ok = _scores(spec, g, score_consts, mask_consts, q_i, k_j, b_ids, h_ids, i, j, masked)
+                tile = _Tile(spec, g, mask_consts, b_ids, h_ids, i, j, masked)
+                q_blk = _slice(qt, i * g.tq, g.tq, 3)
+                do_blk = _slice(dot, i * g.tq, g.tq, 3)
+                lse_i = _slice(lse_safe, i * g.tq, g.tq, 3)
+                delta_i = _slice(delta, i * g.tq, g.tq, 3)
+                s_raw = (_bmm(_rows(q_blk, lead), kT_j) * spec.scale).reshape(tile_shape)
                 consts_f = tuple(score_consts[n] for n in float_idx)
-                s, mod_vjp = jax.vjp(lambda s_, c_: mod(s_, with_float(c_)), s_raw, consts_f)
+                s, mod_vjp = jax.vjp(lambda s_, c_: tile.score_mod(spec, with_float(c_), s_), s_raw, consts_f)
                 p = jnp.exp(s - lse_i[..., None])
                 if masked:
-                    p = jnp.where(ok, p, 0.0)
-                dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_i, preferred_element_type=jnp.float32)
-                dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j, preferred_element_type=jnp.float32)
+                    p = jnp.where(tile.ok, p, 0.0)
+                p_rows = _rows(p, lead)
+                # (Gs, tq) must be adjacent for the transposed operands: a real copy only
+                # for GQA groups (Gs > 1), a free reshape otherwise.
+                doT_i = jnp.moveaxis(_slice(doT, i * g.tq, g.tq, 4), 2, 3).reshape(n_rows, dv_dim, -1)
+                dvT = dvT + _bmm(doT_i, p_rows)
+                dp = _bmm(_rows(do_blk, lead), vT_j).reshape(tile_shape)
                 ds = p * (dp - delta_i[..., None])
                 ds_raw, dc = mod_vjp(ds)
-                ds_raw = ds_raw * spec.scale
-                dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds_raw, q_i, preferred_element_type=jnp.float32)
-                dq_i = jnp.einsum("bhgqk,bhkd->bhgqd", ds_raw, k_j, preferred_element_type=jnp.float32)
-                dq = jax.lax.dynamic_update_slice_in_dim(
-                    dq, _slice_seq(dq, i * g.tq, g.tq) + dq_i, i * g.tq, axis=3)
+                ds_rows = _rows(ds_raw, lead) * spec.scale
+                qT_i = jnp.moveaxis(_slice(qT, i * g.tq, g.tq, 4), 2, 3).reshape(n_rows, d, -1)
+                dkT = dkT + _bmm(qT_i, ds_rows)
+                dq_i = _bmm(ds_rows, k_j).reshape(lead + (g.tq, d))
+                dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * g.tq, g.tq, 3) + dq_i, i * g.tq, axis=3)
                 dconsts = tuple(a + b for a, b in zip(dconsts, dc))
-                return dq, dk, dv, dconsts
+                return dq, dkT, dvT, dconsts
 
             return body
 
-        inner = (dq, jnp.zeros(lead[:2] + (g.tk, d), jnp.float32),
-                 jnp.zeros(lead[:2] + (g.tk, dv_dim), jnp.float32), dconsts)
+        inner = (dq, jnp.zeros((n_rows, d, g.tk), jnp.float32),
+                 jnp.zeros((n_rows, dv_dim, g.tk), jnp.float32), dconsts)
         inner = jax.lax.fori_loop(0, q_n[j], step(True, q_i[j]), inner)
         inner = jax.lax.fori_loop(0, fq_n[j], step(False, fq_i[j]), inner)
-        dq, dk_j, dv_j, dconsts = inner
-        dk_all = jax.lax.dynamic_update_slice_in_dim(dk_all, dk_j, j * g.tk, axis=2)
-        dv_all = jax.lax.dynamic_update_slice_in_dim(dv_all, dv_j, j * g.tk, axis=2)
-        return dq, dk_all, dv_all, dconsts
+        dq, dkT_j, dvT_j, dconsts = inner
+        dkT_all = jax.lax.dynamic_update_slice_in_dim(dkT_all, dkT_j.reshape(lead[:2] + (d, g.tk)), j * g.tk, axis=3)
+        dvT_all = jax.lax.dynamic_update_slice_in_dim(dvT_all, dvT_j.reshape(lead[:2] + (dv_dim, g.tk)), j * g.tk,
+                                                      axis=3)
+        return dq, dkT_all, dvT_all, dconsts
 
-    init = (jnp.zeros(qt.shape, jnp.float32), jnp.zeros(kt.shape, jnp.float32),
-            jnp.zeros(vt.shape, jnp.float32),
+    init = (jnp.zeros(qt.shape, jnp.float32), jnp.zeros(kT.shape, jnp.float32),
+            jnp.zeros(vT.shape, jnp.float32),
             tuple(jnp.zeros(score_consts[n].shape, jnp.float32) for n in float_idx))
-    dq, dk, dv, dconsts = jax.lax.fori_loop(0, g.nk, kv_tile, init)
-    return dq, dk, dv, dconsts
+    dq, dkT, dvT, dconsts = jax.lax.fori_loop(0, g.nk, kv_tile, init)
+    return dq, dkT, dvT, dconsts
 
 
 # -- batching over rows whose tile lists differ -------------------------------------------
@@ -360,7 +433,9 @@ def _prepare(spec, q, k, lists, backward: bool):
     B, Sq, Hq, _ = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    opts = _resolve(spec)
+    opts, band = _resolve(spec)
+    if backward:
+        band = None
     tq, tk = (opts.bwd_block_q, opts.bwd_block_kv) if backward else (opts.block_q, opts.block_kv)
     g = _Geom(tq=tq, tk=tk, nq=-(-Sq // tq), nk=-(-spec.kv_len // tk), q_len=Sq, kv_len=spec.kv_len)
     coarse = _coarse_lists(lists, spec.block_size, tq, tk, Sq, spec.kv_len)
@@ -371,19 +446,26 @@ def _prepare(spec, q, k, lists, backward: bool):
     coarse = tuple(x.reshape(shape + x.shape[2:]) for x in coarse)
     b_ids = jnp.arange(B, dtype=jnp.int32)
     h_ids = jnp.arange(Hq, dtype=jnp.int32).reshape(Hkv, G)
-    return g, coarse, batch_shared, head_shared, b_ids, h_ids
+    return g, band, coarse, batch_shared, head_shared, b_ids, h_ids
 
 
 def forward(spec, q, k, v, score_consts, mask_consts, lists):
-    g, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
-    qt, kt, vt = _to_tiles(q, k, v, g)
+    g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
+    hkv = k.shape[2]
+    skv_pad = max(g.nk * g.tk, band or 0)
+    qt = _pad_seq(_heads_major(q, hkv), g.nq * g.tq)
+    kT = _pad_seq(jnp.swapaxes(_heads_major(k, hkv)[:, :, 0], -1, -2), skv_pad, axis=-1)
+    vt = _pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad)
 
     def core(qt_, kv, qrows, lists_, b_, h_):
-        out, lse = _fwd_core(spec, g, score_consts, mask_consts, qt_, *kv,
-                             tuple(x[0, 0, 0] for x in lists_), b_, h_)
+        lst = tuple(x[0, 0, 0] for x in lists_)
+        if band is not None:
+            out, lse = _fwd_band_core(spec, g, band, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
+        else:
+            out, lse = _fwd_core(spec, g, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
         return (out, lse), (), ()
 
-    (out, lse), _, _ = _run_groups(core, b_sh, h_sh, qt, (kt, vt), (), coarse, b_ids, h_ids)
+    (out, lse), _, _ = _run_groups(core, b_sh, h_sh, qt, (kT, vt), (), coarse, b_ids, h_ids)
     B, Sq, Hq, _ = q.shape
     out = out[..., :Sq, :].reshape(B, Hq, Sq, -1).transpose(0, 2, 1, 3).astype(q.dtype)
     lse = lse[..., :Sq].reshape(B, Hq, Sq)
@@ -391,31 +473,33 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists):
-    g, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
-    qt, kt, vt = _to_tiles(q, k, v, g)
+    g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
     B, Sq, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    sq_pad = g.nq * g.tq
-    dout32 = dout.astype(jnp.float32)
+    hkv = k.shape[2]
+    sq_pad, skv_pad = g.nq * g.tq, g.nk * g.tk
+    qt = _pad_seq(_heads_major(q, hkv), sq_pad)
+    kt = _pad_seq(_heads_major(k, hkv)[:, :, 0], skv_pad)
+    kT = jnp.swapaxes(kt, -1, -2)
+    vT = jnp.swapaxes(_pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad), -1, -2)
+    dot = _pad_seq(_heads_major(dout, hkv), sq_pad)
     # delta = rowsum(dO * O); a cotangent on lse adds P * dlse to dS, i.e. delta - dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout32, out.astype(jnp.float32)) - dlse.astype(jnp.float32)
-    dot = _pad_seq(jnp.transpose(dout32, (0, 2, 1, 3)).reshape(B, Hkv, G, Sq, -1), sq_pad)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
-    lse_t = jnp.pad(lse.reshape(B, Hkv, G, Sq), pad_rows, constant_values=-jnp.inf)
-    delta_t = jnp.pad(delta.reshape(B, Hkv, G, Sq), pad_rows)
+    lse_t = jnp.pad(lse.reshape(B, hkv, Hq // hkv, Sq), pad_rows, constant_values=-jnp.inf)
+    delta_t = jnp.pad(delta.reshape(B, hkv, Hq // hkv, Sq), pad_rows)
     float_idx = [n for n, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
 
     def core(qt_, kv, qrows, lists_, b_, h_):
-        dq, dk, dv, dconsts = _bwd_core(spec, g, score_consts, mask_consts, qt_, *kv, *qrows,
-                                        tuple(x[0, 0, 0] for x in lists_), b_, h_)
-        return (dq,), (dk, dv), dconsts
+        dq, dkT, dvT, dconsts = _bwd_core(spec, g, score_consts, mask_consts, qt_, *kv, *qrows,
+                                          tuple(x[0, 0, 0] for x in lists_), b_, h_)
+        return (dq,), (dkT, dvT), dconsts
 
-    (dq,), (dk, dv), dconsts = _run_groups(core, b_sh, h_sh, qt, (kt, vt), (dot, lse_t, delta_t),
-                                           coarse, b_ids, h_ids)
+    qrows = (dot, jnp.swapaxes(qt, -1, -2), jnp.swapaxes(dot, -1, -2), lse_t, delta_t)
+    (dq,), (dkT, dvT), dconsts = _run_groups(core, b_sh, h_sh, qt, (kT, kt, vT), qrows,
+                                             coarse, b_ids, h_ids)
     dq = dq[..., :Sq, :].reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3).astype(q.dtype)
-    dk = dk[..., : spec.kv_len, :].transpose(0, 2, 1, 3).astype(k.dtype)
-    dv = dv[..., : spec.kv_len, :].transpose(0, 2, 1, 3).astype(v.dtype)
+    dk = dkT[..., : spec.kv_len].transpose(0, 3, 1, 2).astype(k.dtype)
+    dv = dvT[..., : spec.kv_len].transpose(0, 3, 1, 2).astype(v.dtype)
     dscore = [None] * len(score_consts)
     for n, dcn in zip(float_idx, dconsts):
         dscore[n] = dcn.astype(score_consts[n].dtype)
