@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +51,9 @@ class AttentionSpec:
 def _check_qkv(query, key, value):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be a JAX array of shape (batch, seq, heads, head_dim), got {type(x).__name__}")
+            raise TypeError(
+                f"{name} must be a JAX array of shape (batch, seq, heads, head_dim), got {type(x).__name__}"
+            )
         if x.ndim != 4:
             raise ValueError(
                 f"{name} must have rank 4 (batch, seq, heads, head_dim), got shape {tuple(x.shape)}; "
@@ -157,6 +161,14 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       Output (batch, q_len, q_heads, v_head_dim) in the query's dtype, or ``(out, lse)``.
     """
     _check_qkv(query, key, value)
+    # Inside `flexjax.sharding.attention_specs(...)` the call is split over the mesh;
+    # elsewhere (and on each shard) this returns NotImplemented.
+    from .sharding import _maybe_sharded_attention  # flexjax.sharding imports this module
+
+    sharded = _maybe_sharded_attention(query, key, value, score_mod, block_mask, scale=scale,
+                                       return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+    if sharded is not NotImplemented:
+        return sharded
     B, Sq, Hq, D = query.shape
     Skv = key.shape[1]
     if scale is None:
@@ -177,22 +189,33 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                          kv_len=Skv, block_size=block_mask.block_size,
                          kernel_options=_options_tuple(kernel_options),
                          kv_band=_kv_band(block_mask))
-    names = platform_backends() if backend is None else (backend,)
-    impl = None
-    for name in names:
-        candidate = get_backend(name)
-        reason = candidate.unsupported_reason(spec, query, key, value)
-        if reason is None:
-            impl = candidate
-            break
-        if backend is not None:
-            raise NotImplementedError(f"backend {name!r} cannot serve this call: {reason}")
-    if impl is None:
-        raise NotImplementedError(f"no backend among {names} can serve this call")
+    impl = _choose_backend(backend, spec, query, key, value)
     lists = block_mask.tree_flatten()[0][:8]
     out, lse = _attention(impl.NAME, spec, query, key, value, tuple(score_consts),
                           tuple(block_mask.mask_consts), tuple(lists))
     return (out, lse) if return_lse else out
+
+
+def _choose_backend(backend, spec, query, key, value):
+    """The named backend, or the first of the platform's list that can serve ``spec``.
+
+    A named backend that cannot serve raises; with ``backend=None`` each skipped backend
+    is reported by a warning, so no fallback is silent.
+    """
+    names = platform_backends() if backend is None else (backend,)
+    skipped = []
+    for name in names:
+        candidate = get_backend(name)
+        reason = candidate.unsupported_reason(spec, query, key, value)
+        if reason is None:
+            for skipped_name, skipped_reason in skipped:
+                warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "
+                              f"using {name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=3)
+            return candidate
+        if backend is not None:
+            raise NotImplementedError(f"backend {name!r} cannot serve this call: {reason}")
+        skipped.append((name, reason))
+    raise NotImplementedError("no backend can serve this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

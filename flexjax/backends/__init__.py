@@ -10,11 +10,15 @@ import jax
 _BACKENDS = {
     "reference": "flexjax.backends.reference",
     "xla": "flexjax.backends.xla",
+    "pallas": "flexjax.backends.pallas",
 }
 
 # Ordered choices for backend=None, per platform; each list ends on "xla".
 _PLATFORM_ORDER = {
     "cpu": ("xla",),
+    "gpu": ("pallas", "xla"),
+    "cuda": ("pallas", "xla"),
+    "tpu": ("pallas", "xla"),
 }
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,6 +86,54 @@ def _shift(x, offset):
     return x if isinstance(offset, int) and offset == 0 else x + offset
 
 
+# -- mods inside shard_map ----------------------------------------------------------------
+
+_SHARDING_PRIMITIVES = ("reshard", "sharding_constraint", "mesh_cast")
+
+
+def _inline(jaxpr, args):
+    """Evaluates ``jaxpr`` in the current trace context, inlining nested ``jit`` calls.
+
+    Each equation of a jaxpr (and each nested ``jit``) remembers the mesh it was traced
+    under, and ``jax.core.eval_jaxpr`` switches back to it: a mod traced under
+    ``jax.set_mesh`` with Explicit axes then fails on the Manual-axis values inside
+    ``shard_map``. Sub-jaxprs of other primitives (custom_jvp, cond, ...) are re-traced.
+    """
+    env = dict(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in ("jit", "pjit"):
+            inner = eqn.params["jaxpr"]
+            outs = _inline(inner.jaxpr, [*inner.consts, *invals])
+        elif eqn.primitive.name in _SHARDING_PRIMITIVES:
+            # Placement on the outer mesh (e.g. a constant built under jax.set_mesh);
+            # inside the shard every value is local.
+            outs = invals
+        else:
+            params = {k: _retrace(v) for k, v in eqn.params.items()}
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _retrace(param):
+    if isinstance(param, (tuple, list)):
+        return type(param)(_retrace(p) for p in param)
+    if not isinstance(param, jex_core.ClosedJaxpr):
+        return param
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in param.jaxpr.invars]
+    return jax.make_jaxpr(lambda *a: _inline(param.jaxpr, [*param.consts, *a]))(*avals)
+
+
+def _call(mod: StaticMod, consts, *args):
+    """A traced mod applied to scalar arguments, in the current trace context."""
+    (out,) = _inline(mod.jaxpr, [*consts, *args])
+    return out
+
+
 # -- one shard, one k/v block -------------------------------------------------------------
 
 def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, src):
@@ -107,7 +157,7 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, sr
     score_mod = None
     if plan.score is not None:
         def score_mod(score, b, h, q_idx, kv_idx):
-            return plan.score(score_consts, score, *global_index(b, h, q_idx, kv_idx))
+            return _call(plan.score, score_consts, score, *global_index(b, h, q_idx, kv_idx))
 
         score_mod.__name__ = plan.score.name
     block_mask = None
@@ -118,7 +168,7 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, sr
         mask, consts = None, ()
         if plan.mask is not None:
             def mask_mod(b, h, q_idx, kv_idx):
-                return plan.mask(mask_consts, *global_index(b, h, q_idx, kv_idx))
+                return _call(plan.mask, mask_consts, *global_index(b, h, q_idx, kv_idx))
 
             mask_mod.__name__ = plan.mask.name
             traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
@@ -127,16 +177,6 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, sr
                                            block_size=plan.block_size, mask=mask)
     return _flex_attention(q, k, v, score_mod, block_mask, scale=plan.scale, return_lse=True,
                            backend=plan.backend, kernel_options=dict(plan.kernel_options) or None)
-
-
-def _vma(*xs) -> tuple:
-    return tuple(sorted(set().union(*(jax.typeof(x).vma for x in xs))))
-
-
-def _varying(x, axes: tuple):
-    """``x`` marked as varying over ``axes`` (loop carries and cond branches must agree)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).vma)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _has_tiles(plan: _Plan, states, src):
@@ -171,7 +211,6 @@ def _ring_forward(plan: _Plan, q, k, v, score_consts, mask_consts, states):
     i = _index(plan.seq_axes)
     axis = _axis_name(plan.seq_axes)
     perm = _ring_perm(plan.n)
-    vma = _vma(q, k, v)
     B, Sq, H, _ = q.shape
     Dv = v.shape[-1]
 
@@ -181,8 +220,7 @@ def _ring_forward(plan: _Plan, q, k, v, score_consts, mask_consts, states):
         if plan.block_size is None:
             return run()
         # A k/v block with no tile for these queries is skipped outright.
-        empty = (_varying(jnp.zeros((B, Sq, H, Dv), q.dtype), vma),
-                 _varying(jnp.full((B, H, Sq), -jnp.inf, jnp.float32), vma))
+        empty = (jnp.zeros((B, Sq, H, Dv), q.dtype), jnp.full((B, H, Sq), -jnp.inf, jnp.float32))
         return jax.lax.cond(_has_tiles(plan, states, src), run, lambda: empty)
 
     def step(t, carry):
@@ -192,8 +230,7 @@ def _ring_forward(plan: _Plan, q, k, v, score_consts, mask_consts, states):
         out, lse = _merge(out, lse, *attend(kv, t))
         return out, lse, nxt
 
-    init = (_varying(jnp.zeros((B, Sq, H, Dv), jnp.float32), vma),
-            _varying(jnp.full((B, H, Sq), -jnp.inf, jnp.float32), vma), (k, v))
+    init = (jnp.zeros((B, Sq, H, Dv), jnp.float32), jnp.full((B, H, Sq), -jnp.inf, jnp.float32), (k, v))
     out, lse, kv = jax.lax.fori_loop(0, plan.n - 1, step, init)
     out, lse = _merge(out, lse, *attend(kv, plan.n - 1))
     return out.astype(q.dtype), lse
@@ -228,7 +265,6 @@ def _ring_bwd(plan, res, cts):
     i = _index(plan.seq_axes)
     axis = _axis_name(plan.seq_axes)
     perm = _ring_perm(plan.n)
-    vma = _vma(q, k, v)
     dout32, out32 = dout.astype(jnp.float32), out.astype(jnp.float32)
     dlse = dlse.astype(jnp.float32)
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
@@ -237,11 +273,11 @@ def _ring_bwd(plan, res, cts):
 
     def with_float(consts_f):
         consts = list(score_consts)
-        for j, c in zip(float_idx, consts_f):
+        for j, c in zip(float_idx, consts_f, strict=True):
             consts[j] = c
         return tuple(consts)
 
-    zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), vma)  # noqa: E731
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
 
     def contribution(kv, t):
         src = (i - t) % plan.n
@@ -255,7 +291,7 @@ def _ring_bwd(plan, res, cts):
             do_t = (dout32 * _rows(w)).astype(o_t.dtype)
             dl_t = w * (dlse + jnp.einsum("bqhd,bqhd->bhq", dout32, o_t.astype(jnp.float32) - out32))
             grads = vjp((do_t, dl_t))
-            return jax.tree.map(lambda g: _varying(g.astype(jnp.float32), vma), grads)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         if plan.block_size is None:
             return run()
@@ -279,7 +315,7 @@ def _ring_bwd(plan, res, cts):
     # The last block's dK/dV (and with it every block's) goes home in one more hop.
     dk, dv = jax.lax.ppermute(add(dkv, (gk, gv)), axis, perm)
     dscore = [_zero_cotangent(c) for c in score_consts]
-    for j, d in zip(float_idx, dconsts):
+    for j, d in zip(float_idx, dconsts, strict=True):
         dscore[j] = d.astype(score_consts[j].dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(dscore),
             jax.tree.map(_zero_cotangent, mask_consts), jax.tree.map(_zero_cotangent, states))
@@ -340,11 +376,12 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
     ring = kv_s is not None and n > 1
     permuted = specs.permuted and n > 1
     seq_parts = 2 * n if permuted else n
+    per = " (2 per shard: permuted)" if permuted else ""
     _divides(B, nb, "batch", f"query_specs[0]={b_e!r}")
     _divides(Hq, nh, "query heads", f"query_specs[2]={h_e!r}")
-    _divides(Sq, seq_parts, "query length", f"query_specs[1]={s_e!r}" + (" (2 per shard: permuted)" if permuted else ""))
+    _divides(Sq, seq_parts, "query length", f"query_specs[1]={s_e!r}{per}")
     if ring or permuted:
-        _divides(Skv, seq_parts, "key length", f"kv_specs[1]={kv_s!r}" + (" (2 per shard: permuted)" if permuted else ""))
+        _divides(Skv, seq_parts, "key length", f"kv_specs[1]={kv_s!r}{per}")
     group = Hq // Hkv
     kv_head_slice = 0
     if kv_h is not None:
@@ -384,13 +421,14 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
             start = _index(plan.head_axes) * plan.heads_local // plan.group
             k, v = (jax.lax.dynamic_slice_in_dim(x, start, plan.kv_head_slice, axis=2) for x in (k, v))
         if not plan.ring:
+            if plan.n > 1:
+                # Gathered here rather than by shard_map's input resharding: the transpose
+                # is then a reduce-scatter of dK/dV instead of an all-reduce.
+                k, v = jax.lax.all_gather((k, v), _axis_name(plan.seq_axes), axis=1, tiled=True)
             return _local_attention(plan, q, k, v, score_consts, mask_consts, states, 0)
-        # custom_vjp cotangents must vary like the primals: make the replicated ones vary.
-        vma = _vma(q, k, v)
-        score_consts = tuple(_varying(c, vma) for c in score_consts)
         return _ring(plan, q, k, v, score_consts, mask_consts, states)
 
-    q_spec, kv_spec = P(b_e, s_e, h_e, None), P(b_e, kv_s, kv_h, None)
+    q_spec, kv_spec = P(b_e, s_e, h_e, None), P(b_e, s_e, kv_h, None)
     in_specs = (q_spec, kv_spec, kv_spec, tuple(P() for _ in score_consts),
                 tuple(P() for _ in mask_consts), states_spec)
     args = (query, key, value, score_consts, mask_consts, states)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ._specs import active_specs
 
@@ -79,8 +80,14 @@ def _reorder(x, axis: int, order: np.ndarray, verb: str):
         raise ValueError(
             f"{verb}_tokens: the sequence axis has {s} tokens, which does not split into {k} equal "
             f"chunks (2 per context shard); pad it to a multiple of {k}")
+    spec = getattr(jax.typeof(x).sharding, "spec", None)
+    sharded = spec is not None and len(spec) > axis and spec[axis] is not None
+    if sharded:
+        # An explicitly sharded sequence is gathered, reordered and sharded again.
+        x = jax.reshard(x, P(*spec[:axis], None, *spec[axis + 1:]))
     chunks = x.reshape(x.shape[:axis] + (k, s // k) + x.shape[axis + 1:])
-    return jnp.take(chunks, jnp.asarray(order, jnp.int32), axis=axis).reshape(x.shape)
+    out = jnp.take(chunks, jnp.asarray(order, jnp.int32), axis=axis).reshape(x.shape)
+    return jax.reshard(out, spec) if sharded else out
 
 
 def permute_tokens(x: jax.Array, axis: int = 1, *, num_shards: int | None = None) -> jax.Array:

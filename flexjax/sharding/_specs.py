@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 _DIMS = ("batch", "seq", "heads", "head_dim")
 
-_ACTIVE: contextvars.ContextVar[AttentionSpecs | None] = contextvars.ContextVar(
-    "flexjax_attention_specs", default=None)
+# A jit-cache-sensitive context: a function traced under other specs (or none) is traced
+# again rather than reused.
+_ACTIVE = jax.make_user_context(default_value=None)
 
 
 def _entry(value, where: str):
@@ -164,17 +164,14 @@ def attention_specs(query_specs: Sequence, kv_specs: Sequence, permuted: bool = 
     Yields:
       The checked AttentionSpecs.
 
-    Note: specs are read when a function is traced. A ``jax.jit`` function first traced
-    outside the block keeps its unsharded trace for the same mesh and shapes.
+    The specs are part of ``jax.jit``'s cache key: a function traced outside the block
+    (or under other specs) is traced again inside it.
     """
     specs = make_specs(query_specs, kv_specs, permuted, mesh)
-    token = _ACTIVE.set(specs)
-    try:
+    with _ACTIVE(specs):
         yield specs
-    finally:
-        _ACTIVE.reset(token)
 
 
 def active_specs() -> AttentionSpecs | None:
     """The innermost active ``attention_specs``, or None."""
-    return _ACTIVE.get()
+    return _ACTIVE.value

@@ -1,0 +1,226 @@
+"""The pallas backend: block-sparse FlashAttention kernels with the user's mods compiled in.
+
+GPU kernels go through Pallas' Triton lowering, TPU kernels through Mosaic with the tile
+lists as scalar prefetch; on a CPU host the GPU template runs with ``interpret=True``.
+``kernel_options={"target": "cuda" | "tpu"}`` emits that platform's kernel whatever the
+host, so lowering and AOT compilation work from a CPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _gpu, _tpu
+from ._compiler import compile_mod
+from ._layout import geometry, pad_axis, prologues, score_const_grads
+from ._tile import Mods
+
+NAME = "pallas"
+
+_TARGETS = ("cuda", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Options of the pallas backend (``flex_attention(..., kernel_options={...})``).
+
+    Tiles must divide the BlockMask's block or be multiples of it.
+
+    Attributes:
+      target: "cuda" or "tpu": the kernel to emit; default the host's platform (the GPU
+        template in interpret mode on CPU).
+      interpret: run the kernels in Pallas' interpreter; default True on a CPU host when
+        no target is given.
+      block_q, block_kv: forward tile.
+      bwd_block_q, bwd_block_kv: tile of both backward kernels.
+      num_warps, num_stages: forward Triton launch parameters (cuda).
+      bwd_num_warps, bwd_num_stages: backward Triton launch parameters (cuda).
+    """
+
+    target: str | None = None
+    interpret: bool | None = None
+    block_q: int | None = None
+    block_kv: int | None = None
+    bwd_block_q: int | None = None
+    bwd_block_kv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bwd_num_warps: int | None = None
+    bwd_num_stages: int | None = None
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
+_TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
+_LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
+
+
+def heuristics(target: str, block_size: tuple[int, int], head_dim: int) -> KernelOptions:
+    """Default tiles and launch parameters for ``target`` ("cuda", "tpu" or "interpret").
+
+    Not yet tuned on hardware (no GPU/TPU in this project's CI); run
+    benchmarks/gpu_check.sh on a GPU to measure.
+    """
+    bq, bkv = block_size
+    if target == "cuda":
+        # FlashAttention-2's Triton tiles (and torch flex_attention's H100 defaults):
+        # q 128 x kv 64 forward with 8 warps at head_dim 128 (4 below); 64 x 64 backward,
+        # whose five live tiles per step do not fit 128-row tiles in registers.
+        warps = 8 if head_dim > 64 else 4
+        return KernelOptions(target=target, interpret=False, block_q=_fit(128, bq), block_kv=_fit(64, bkv),
+                             bwd_block_q=_fit(64, bq), bwd_block_kv=_fit(64, bkv), num_warps=warps,
+                             num_stages=3, bwd_num_warps=4, bwd_num_stages=2)
+    if target == "tpu":
+        # Splash attention's defaults are 512-wide tiles; 128 is the lane width that every
+        # kv tile must be a multiple of, and the smallest that keeps the MXU busy.
+        return KernelOptions(target=target, interpret=False, block_q=max(bq, 128), block_kv=max(bkv, 128),
+                             bwd_block_q=max(bq, 128), bwd_block_kv=max(bkv, 128))
+    # Interpret mode: the mask's own block, so each interpreted step is one mask tile.
+    return KernelOptions(target=None, interpret=True, block_q=bq, block_kv=bkv, bwd_block_q=bq,
+                         bwd_block_kv=bkv)
+
+
+def _fit(tile: int, block: int) -> int:
+    """``tile`` if it divides ``block``, else the block itself (a coarser tile is not needed)."""
+    return tile if block % tile == 0 else block
+
+
+def _host_target() -> str | None:
+    platform = jax.default_backend()
+    return {"gpu": "cuda", "cuda": "cuda", "rocm": None, "tpu": "tpu"}.get(platform)
+
+
+def _resolve(spec, head_dim: int) -> KernelOptions:
+    opts = spec.options
+    target = opts.get("target") or _host_target()
+    interpret = opts.get("interpret")
+    if interpret is None:
+        interpret = target is None
+    default = heuristics("interpret" if interpret else target, spec.block_size, head_dim)
+    values = {f: opts[f] if opts.get(f) is not None else getattr(default, f) for f in _FIELDS}
+    values["target"], values["interpret"] = target, bool(interpret)
+    return KernelOptions(**values)
+
+
+def _compile_target(o: KernelOptions) -> str:
+    return o.target if o.target is not None else "interpret"
+
+
+def _mods(spec, o: KernelOptions) -> Mods:
+    t = _compile_target(o)
+    return Mods(score=compile_mod(spec.score, t) if spec.score is not None else None,
+                mask=compile_mod(spec.mask, t) if spec.mask is not None else None)
+
+
+def _check_options(opts: dict, block_size):
+    for f in _TILE_FIELDS + _LAUNCH_FIELDS:
+        val = opts.get(f)
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
+            raise ValueError(f"kernel_options[{f!r}] must be a positive int, got {val!r}")
+        if f in _TILE_FIELDS:
+            base = block_size[0] if f.endswith("block_q") else block_size[1]
+            if val % base and base % val:
+                raise ValueError(
+                    f"kernel_options[{f!r}]={val} must divide the BlockMask's block ({base}) or be a "
+                    f"multiple of it")
+    target = opts.get("target")
+    if target is not None and target not in _TARGETS:
+        raise ValueError(f"kernel_options['target'] must be one of {_TARGETS} or None, got {target!r}")
+    interpret = opts.get("interpret")
+    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+        raise ValueError(f"kernel_options['interpret'] must be a bool, got {interpret!r}")
+
+
+def unsupported_reason(spec, q, k, v):
+    """None if the pallas backend can serve this call, else why not.
+
+    Raises:
+      ValueError: a kernel_options value is invalid.
+    """
+    opts = spec.options
+    unknown = sorted(set(opts) - set(_FIELDS))
+    if unknown:
+        return f"unknown kernel_options {unknown} for the pallas backend; it takes {list(_FIELDS)}"
+    _check_options(opts, spec.block_size)
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"the pallas backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
+    if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
+        return f"the pallas backend has no kernel for platform {jax.default_backend()!r}"
+    o = _resolve(spec, q.shape[-1])
+    if o.target == "cuda" and not o.interpret:
+        for f in _TILE_FIELDS:
+            val = getattr(o, f)
+            if val < 16 or val & (val - 1):
+                return (f"Triton tiles must be powers of two >= 16, got {f}={val}; set kernel_options "
+                        f"{f!r} or build the BlockMask with block_size >= 16")
+    if o.target == "tpu":
+        for f in _TILE_FIELDS:
+            base = spec.block_size[0] if f.endswith("block_q") else spec.block_size[1]
+            if getattr(o, f) % base:
+                return (f"TPU tiles must be multiples of the BlockMask's block ({base}), got {f}={getattr(o, f)}; "
+                        "set kernel_options or rebuild the BlockMask with a smaller block_size")
+    if o.target == "tpu" and not o.interpret:
+        for f in _TILE_FIELDS:
+            val, unit = getattr(o, f), (128 if "kv" in f else 8)
+            if val % unit:
+                return (f"Mosaic TPU tiles need {'kv' if unit == 128 else 'q'} sizes that are multiples of "
+                        f"{unit}, got {f}={val}; set kernel_options {f!r}")
+    try:
+        _mods(spec, o)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
+    tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
+    g, lists = geometry(spec, q, k, lists, tq, tk)
+    # Triton tiles need power-of-two head dims; zero columns change no dot product.
+    pad_d = (lambda n: max(16, 1 << (n - 1).bit_length())) if o.target == "cuda" else (lambda n: n)
+    D, Dv = pad_d(q.shape[-1]), pad_d(v.shape[-1])
+    qp = pad_axis(pad_axis(q, 1, g.sq), 3, D)
+    kp = pad_axis(pad_axis(k, 1, g.skv), 3, D)
+    vp = pad_axis(pad_axis(v, 1, g.skv), 3, Dv)
+    return g, lists, qp, kp, vp
+
+
+def _template(o: KernelOptions):
+    return _tpu if o.target == "tpu" else _gpu
+
+
+def forward(spec, q, k, v, score_consts, mask_consts, lists):
+    o = _resolve(spec, q.shape[-1])
+    mods = _mods(spec, o)
+    g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
+    s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
+    out, lse = _template(o).forward(g, mods, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
+                                    target=o.target, interpret=o.interpret,
+                                    warps=o.num_warps, stages=o.num_stages)
+    B, Sq, Hq, _ = q.shape
+    return out[:, :Sq, :, : v.shape[-1]], lse[:, :, :Sq, 0]
+
+
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists):
+    o = _resolve(spec, q.shape[-1])
+    mods = _mods(spec, o)
+    g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
+    s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
+    B, Sq, Hq, D = q.shape
+    Dv = v.shape[-1]
+    # delta = rowsum(dO * O); a cotangent on lse adds P * dlse to dS, i.e. delta - dlse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = pad_axis(delta - dlse.astype(jnp.float32), 2, g.sq)[..., None]
+    # Rows with no allowed key (lse -inf) and padded rows only meet masked pairs; a finite
+    # lse keeps exp(s - lse) from overflowing there before the mask zeroes it.
+    lse_safe = pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse), 2, g.sq)[..., None]
+    dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
+    dq, dk, dv, d_rows, d_cols, d_arrays = _template(o).backward(
+        g, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
+        target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages)
+    dscore = score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays)
+    return (dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore)

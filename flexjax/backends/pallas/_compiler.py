@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,15 +107,12 @@ class _Flattener:
                         f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
                 if isinstance(sub, jex_core.ClosedJaxpr):
                     consts = [self._const(c) for c in sub.consts]
-                    sub = sub.jaxpr
-                    sub_ins = ins if not consts else consts + ins
-                    if consts:
-                        sub = sub.replace(constvars=[], invars=list(sub.constvars) + list(sub.invars))
-                else:
-                    sub_ins = ins
-                if name == "custom_jvp_call" or name == "custom_vjp_call":
-                    sub_ins = sub_ins[len(sub_ins) - len(sub.invars):]
-                outs = self.run(sub, sub_ins)
+                    sub = sub.jaxpr.replace(constvars=[], invars=list(sub.jaxpr.constvars) + list(sub.jaxpr.invars))
+                    ins = consts + ins
+                if len(ins) != len(sub.invars):
+                    raise NotImplementedError(
+                        f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
+                outs = self.run(sub, ins)
             else:
                 outs = [self.new(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
@@ -148,6 +146,7 @@ class CompiledMod:
       cols: var ids of hoisted values read as (1, tk) column blocks.
       arrays: var ids of arrays the kernel gathers from (captured or computed from them).
       row_uses, col_uses: per hoisted value, whether it depends on (b, h).
+      avals: the abstract value of every var id.
     """
 
     mod: StaticMod
@@ -168,9 +167,15 @@ class CompiledMod:
     def name(self) -> str:
         return self.mod.name
 
-    @property
-    def has_gather(self) -> bool:
-        return bool(self.arrays)
+    def storage_dtype(self, var: int):
+        """dtype in which the prologue hands hoisted value ``var`` to the kernel."""
+        dtype = self.avals[var].dtype
+        return jnp.int32 if dtype == jnp.bool_ else dtype
+
+    def reads(self) -> tuple:
+        """The kernel part's array reads (dynamic_slice / gather nodes), in order."""
+        return tuple(node for node, s in zip(self.nodes, self.side)
+                     if s == "k" and node.prim.name in ("dynamic_slice", "gather"))
 
     # -- prologue (XLA) ---------------------------------------------------------------------
     def _eval_scalar(self, env: dict, wanted: tuple):
@@ -213,7 +218,9 @@ class CompiledMod:
                     (val,) = self._eval_scalar(env, (w,))
                     return jnp.reshape(val, ())
 
-                out.append(jnp.vectorize(scalar_fn)(b, h, p))
+                val = jnp.vectorize(scalar_fn)(b, h, p)
+                # Kernels cannot load booleans on every target: store them as int32.
+                out.append(val.astype(jnp.int32) if val.dtype == jnp.bool_ else val)
             return tuple(out)
 
         rows = grid(self.rows, self.row_uses, "q_idx", q_len, sq)
@@ -245,8 +252,9 @@ class CompiledMod:
         env: dict[int, Any] = {}
         vals = (b, h, q_idx, kv_idx) if score is None else (score, b, h, q_idx, kv_idx)
         env.update(zip(self.args, vals))
-        env.update(zip(self.rows, rows))
-        env.update(zip(self.cols, cols))
+        for ids, vals in ((self.rows, rows), (self.cols, cols)):
+            for v, x in zip(ids, vals):
+                env[v] = x != 0 if self.avals[v].dtype == jnp.bool_ else x
         arrays = {a: k for k, a in enumerate(self.arrays)}
         for node, side in zip(self.nodes, self.side):
             if side != "k":
@@ -425,7 +433,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
         hoisted = cols if produced[out] == "kv" else rows
         if out not in hoisted:
             hoisted.append(out)
-    for n, (node, s) in enumerate(zip(nodes, side)):
+    for node, s in zip(nodes, side):
         if s == "k" and node.prim.name in ("dynamic_slice", "gather") and target == "tpu":
             raise NotImplementedError(
                 f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
@@ -459,7 +467,7 @@ def _check_kernel_part(c: CompiledMod):
     if c.target == "interpret":
         return
     tq, tk = 8, 128
-    reads = [node for node, s in zip(c.nodes, c.side) if s == "k" and node.prim.name in ("dynamic_slice", "gather")]
+    reads = c.reads()
 
     def f(score, rows, cols, loaded):
         it = iter(loaded)
@@ -467,8 +475,8 @@ def _check_kernel_part(c: CompiledMod):
         kv = lax.broadcasted_iota(jnp.int32, (1, tk), 1)
         return c.evaluate(score, jnp.int32(0), jnp.int32(0), q, kv, rows, cols, lambda k, idx: next(it))
 
-    rows = tuple(jnp.zeros((tq, 1), c.avals[r].dtype) for r in c.rows)
-    cols = tuple(jnp.zeros((1, tk), c.avals[v].dtype) for v in c.cols)
+    rows = tuple(jnp.zeros((tq, 1), c.storage_dtype(r)) for r in c.rows)
+    cols = tuple(jnp.zeros((1, tk), c.storage_dtype(v)) for v in c.cols)
     loaded = tuple(jnp.zeros((tq, tk), node.out_avals[0].dtype) for node in reads)
     score = jnp.zeros((tq, tk), jnp.float32) if c.mod.kind == "score" else None
     prims = _collect_prims(jax.make_jaxpr(f)(score, rows, cols, loaded).jaxpr, set())

@@ -1,0 +1,204 @@
+"""Tile math shared by the GPU and TPU kernels: scores, mods, online softmax, tile VJP."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._compiler import CompiledMod
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def dot(a, b, dims=_NN):
+    """Matmul in the inputs' dtype with float32 accumulation."""
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b):
+    return dot(a, b, _NT)
+
+
+def dot_tn(a, b):
+    return dot(a, b, _TN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mods:
+    """The compiled score_mod and mask_mod of one call (either may be None)."""
+
+    score: CompiledMod | None
+    mask: CompiledMod | None
+
+
+@dataclasses.dataclass
+class ModInputs:
+    """What one tile of one mod reads: hoisted row/col tiles and an array loader."""
+
+    rows: tuple = ()
+    cols: tuple = ()
+    load: Callable[[int, list], Any] | None = None
+
+
+@dataclasses.dataclass
+class Tile:
+    """Indices of one (tq, tk) tile: b, h scalars; q_idx (tq, 1), kv_idx (1, tk) clamped."""
+
+    b: Any
+    h: Any
+    q_idx: Any
+    kv_idx: Any
+    q_valid: Any
+    kv_valid: Any
+
+
+def tile_indices(b, h, q_start, kv_start, tq, tk, q_len, kv_len, full_2d: bool = False) -> Tile:
+    """Tile indices; ``full_2d`` makes them (tq, tk) (Mosaic prefers full vreg shapes)."""
+    shape_q, shape_k = ((tq, tk), (tq, tk)) if full_2d else ((tq, 1), (1, tk))
+    qi = q_start + lax.broadcasted_iota(jnp.int32, shape_q, 0)
+    ki = kv_start + lax.broadcasted_iota(jnp.int32, shape_k, 1)
+    # Mods never see out-of-range indices: clamp them; the padding is masked separately.
+    return Tile(b, h, jnp.minimum(qi, q_len - 1), jnp.minimum(ki, kv_len - 1), qi < q_len, ki < kv_len)
+
+
+def apply_score(mods: Mods, s_raw, t: Tile, inputs: ModInputs):
+    if mods.score is None:
+        return s_raw
+    return mods.score.evaluate(s_raw, t.b, t.h, t.q_idx, t.kv_idx, inputs.rows, inputs.cols, inputs.load)
+
+
+def allowed(mods: Mods, t: Tile, inputs: ModInputs):
+    """The mask of a partial tile: the in-range test and the mask_mod."""
+    ok = t.q_valid & t.kv_valid
+    if mods.mask is not None:
+        ok = ok & mods.mask.evaluate(None, t.b, t.h, t.q_idx, t.kv_idx, inputs.rows, inputs.cols, inputs.load)
+    return ok
+
+
+def softmax_step(carry, s, v):
+    """One online-softmax step: carry (m (tq, 1), l (tq, 1), acc (tq, Dv)) float32.
+
+    Row statistics stay 2-D so the same code suits Triton and Mosaic layouts.
+    """
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+    # A row with no allowed key so far keeps m = -inf; subtracting 0 instead keeps exp()
+    # at exactly 0 there rather than NaN.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use)
+    alpha = jnp.exp(m - m_use)
+    l = l * alpha + p.sum(axis=-1, keepdims=True)
+    acc = acc * alpha + dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+
+def finish(carry):
+    """(out (tq, Dv), lse (tq, 1)) from the final carry; out 0 and lse -inf on empty rows."""
+    m, l, acc = carry
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = acc / l_safe
+    lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
+    return out, lse
+
+
+def forward_tile(mods, carry, q, k, v, t: Tile, scale, masked: bool, score_in: ModInputs, mask_in: ModInputs):
+    """Forward of one tile: scores, score_mod, (mask_mod), online softmax."""
+    s = apply_score(mods, dot_nt(q, k) * scale, t, score_in)
+    if masked:
+        s = jnp.where(allowed(mods, t, mask_in), s, -jnp.inf)
+    return softmax_step(carry, s, v)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass
+class TileGrads:
+    """Backward of one tile.
+
+    Attributes:
+      p: probabilities (tq, tk), float32.
+      ds: gradient of the raw scores q·k*scale (tq, tk), float32 (before the scale).
+      rows, cols: gradients of the score_mod's float row/col tiles (None for others).
+      reads: per array read of the score_mod: (array index, clamped indices, gradient
+        tile or None).
+    """
+
+    p: Any
+    ds: Any
+    rows: tuple
+    cols: tuple
+    reads: tuple
+
+
+def backward_tile(mods, q, k, v, do, lse, delta, t: Tile, scale, masked: bool,
+                  score_in: ModInputs, mask_in: ModInputs) -> TileGrads:
+    """Recomputes P of one tile and pushes dS through the score_mod's VJP.
+
+    ``lse`` and ``delta`` are (tq, 1) float32 with -inf lse already replaced by 0.
+    """
+    s_raw = dot_nt(q, k) * scale
+    ok = allowed(mods, t, mask_in) if masked else None
+    sm = mods.score
+    reads: list = []
+    if sm is not None:
+        def record(kk, idx):
+            val = score_in.load(kk, idx)
+            reads.append((kk, idx, val))
+            return val
+
+        sm.evaluate(s_raw, t.b, t.h, t.q_idx, t.kv_idx, score_in.rows, score_in.cols, record)
+        fl_rows = tuple(x for x in score_in.rows if _is_float(x))
+        fl_cols = tuple(x for x in score_in.cols if _is_float(x))
+        fl_reads = tuple(val for _, _, val in reads if _is_float(val))
+
+        def f(s_, rows_, cols_, reads_):
+            it_r, it_c, it_l = iter(rows_), iter(cols_), iter(reads_)
+            rows = tuple(next(it_r) if _is_float(x) else x for x in score_in.rows)
+            cols = tuple(next(it_c) if _is_float(x) else x for x in score_in.cols)
+            loaded = iter([next(it_l) if _is_float(val) else val for _, _, val in reads])
+            return sm.evaluate(s_, t.b, t.h, t.q_idx, t.kv_idx, rows, cols, lambda kk, idx: next(loaded))
+
+        s, vjp = jax.vjp(f, s_raw, fl_rows, fl_cols, fl_reads)
+    else:
+        s = s_raw
+    p = jnp.exp(s - lse)
+    if masked:
+        p = jnp.where(ok, p, 0.0)
+    dp = dot_nt(do, v)
+    ds = p * (dp - delta)
+    if sm is None:
+        return TileGrads(p, ds, (), (), ())
+    ds_raw, d_rows, d_cols, d_reads = vjp(ds)
+    it_r, it_c, it_l = iter(d_rows), iter(d_cols), iter(d_reads)
+    rows = tuple(next(it_r) if _is_float(x) else None for x in score_in.rows)
+    cols = tuple(next(it_c) if _is_float(x) else None for x in score_in.cols)
+    grads = tuple((kk, idx, next(it_l) if _is_float(val) else None) for kk, idx, val in reads)
+    return TileGrads(p, ds_raw, rows, cols, grads)
+
+
+def onehot_partial(flat_idx, grad, start, size):
+    """Sum of ``grad`` over the tile positions whose flat index is in [start, start+size).
+
+    Returns (size,) float32: a tile's contribution to one chunk of an array's gradient,
+    reduced in a fixed order (no atomics, so the sum is deterministic).
+    """
+    targets = start + lax.broadcasted_iota(jnp.int32, (1, 1, size), 2)
+    hit = flat_idx[:, :, None] == targets
+    return jnp.where(hit, grad[:, :, None], 0.0).sum(axis=(0, 1))
+
+
+def flat_index(idx, shape):
+    """Row-major flat index of the per-dimension index tiles ``idx`` into ``shape``."""
+    flat = idx[0]
+    for i, n in zip(idx[1:], shape[1:]):
+        flat = flat * n + i
+    return flat

@@ -1,0 +1,299 @@
+"""The TPU kernel template (Mosaic): the tile lists are scalar prefetch.
+
+The grid's last axis walks a row of the BlockMask: step ``t`` visits the row's t-th
+partial tile, then its full tiles, and idles past the end (the index maps repeat the last
+block, so an idle step issues no new DMA). K/V and the hoisted column values arrive as
+blocks chosen by the prefetched lists; accumulators live in VMEM scratch. Inputs use
+the (batch, heads, seq, dim) layout, whose last two block dims Mosaic can tile. Mosaic
+cannot gather, so the compiler has already rejected mods that read captured arrays with
+both q_idx and kv_idx.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._layout import Geom, Prologue, is_float
+from ._tile import ModInputs, Mods, backward_tile, dot, dot_tn, finish, forward_tile, tile_indices
+
+
+def _lists_at(g: Geom, refs, b, h, row, t):
+    """(block index, is partial, is active) of step ``t`` of a list row, from scalar refs."""
+    n_ref, i_ref, fn_ref, fi_ref = refs
+    bm = b if g.Bm > 1 else 0
+    hm = h if g.Hm > 1 else 0
+    n, nf = n_ref[bm, hm, row], fn_ref[bm, hm, row]
+    last = i_ref.shape[-1] - 1
+    # Past the row's end, repeat its last block (no new DMA); an empty row reads block 0.
+    tt = jnp.maximum(jnp.minimum(t, n + nf - 1), 0)
+    partial_blk = i_ref[bm, hm, row, jnp.minimum(tt, last)]
+    full_blk = fi_ref[bm, hm, row, jnp.clip(tt - n, 0, last)]
+    return jnp.where(tt < n, partial_blk, full_blk), t < n, (t >= n) & (t < n + nf)
+
+
+def _bh(uses, b, h):
+    ub, uh = uses
+    return (b if ub else 0), (h if uh else 0)
+
+
+def _mod_specs(cm, pro: Prologue, g: Geom, row_map, col_map):
+    """BlockSpecs of one mod's hoisted rows ((tq, 1) blocks) and cols ((1, tk) blocks)."""
+    if cm is None:
+        return []
+    specs = [pl.BlockSpec((None, None, g.tq, 1), functools.partial(row_map, u)) for u in cm.row_uses]
+    specs += [pl.BlockSpec((None, None, 1, g.tk), functools.partial(col_map, u)) for u in cm.col_uses]
+    return specs
+
+
+def _split_mod_refs(it, pro: Prologue):
+    rows = tuple(next(it) for _ in pro.rows)
+    cols = tuple(next(it) for _ in pro.cols)
+    return rows, cols
+
+
+def _inputs(refs) -> ModInputs:
+    rows, cols = refs
+    return ModInputs(tuple(r[...] for r in rows), tuple(c[...] for c in cols), None)
+
+
+def _params(n_parallel: int):
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_parallel + ("arbitrary",))
+
+
+def _tile(g: Geom, b, h, q_start, kv_start):
+    return tile_indices(b, h, q_start, kv_start, g.tq, g.tk, g.q_len, g.kv_len, full_2d=True)
+
+
+# -- forward ---------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros):
+    it = iter(refs)
+    lists = tuple(next(it) for _ in range(4))
+    q_ref, k_ref, v_ref = next(it), next(it), next(it)
+    s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = it
+    b, h, i, t = (pl.program_id(a) for a in range(4))
+    blk, partial, active = _lists_at(g, lists, b, h, i, t)
+
+    @pl.when(t == 0)
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    def step(masked):
+        tile = _tile(g, b, h, i * g.tq, blk * g.tk)
+        carry = forward_tile(mods, (m_sc[...], l_sc[...], acc_sc[...]), q_ref[...], k_ref[...], v_ref[...], tile,
+                             scale, masked, _inputs(s_refs), _inputs(m_refs))
+        m_sc[...], l_sc[...], acc_sc[...] = carry
+
+    pl.when(partial)(lambda: step(True))
+    pl.when(active & ~partial)(lambda: step(False))
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _():
+        out, lse = finish((m_sc[...], l_sc[...], acc_sc[...]))
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse_ref[...] = lse
+
+
+def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue, *,
+            target, interpret: bool, warps=None, stages=None):
+    """Same contract as the GPU template's ``forward`` (inputs in (B, seq, heads, dim))."""
+    del target, warps, stages
+    G = g.G
+    qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    D, Dv = q.shape[-1], v.shape[-1]
+    nsteps = lists[1].shape[-1]
+    L = lists[:4]
+
+    def kv_map(b, h, i, t, *refs):
+        return (b, h // G, _lists_at(g, refs, b, h, i, t)[0], 0)
+
+    def row_map(u, b, h, i, t, *refs):
+        return (*_bh(u, b, h), i, 0)
+
+    def col_map(u, b, h, i, t, *refs):
+        return (*_bh(u, b, h), 0, _lists_at(g, refs, b, h, i, t)[0])
+
+    q_spec = pl.BlockSpec((None, None, g.tq, D), lambda b, h, i, t, *_: (b, h, i, 0))
+    in_specs = [q_spec, pl.BlockSpec((None, None, g.tk, D), kv_map), pl.BlockSpec((None, None, g.tk, Dv), kv_map)]
+    in_specs += _mod_specs(mods.score, s_pro, g, row_map, col_map) + _mod_specs(mods.mask, m_pro, g, row_map, col_map)
+    out_specs = [pl.BlockSpec((None, None, g.tq, Dv), lambda b, h, i, t, *_: (b, h, i, 0)),
+                 pl.BlockSpec((None, None, g.tq, 1), lambda b, h, i, t, *_: (b, h, i, 0))]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=(g.B, g.Hq, g.sq // g.tq, nsteps), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((g.tq, 1), jnp.float32), pltpu.VMEM((g.tq, 1), jnp.float32),
+                        pltpu.VMEM((g.tq, Dv), jnp.float32)])
+    kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro))
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, Dv), q.dtype),
+                   jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32)],
+        compiler_params=_params(3), interpret=interpret, name="flexjax_fwd",
+    )(*L, qt, kt, vt, *s_pro.rows, *s_pro.cols, *m_pro.rows, *m_pro.cols)
+    return jnp.swapaxes(out, 1, 2), lse
+
+
+# -- backward --------------------------------------------------------------------------------
+
+def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_drows: int):
+    it = iter(refs)
+    lists = tuple(next(it) for _ in range(4))
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+    s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
+    dq_ref = next(it)
+    drow_refs = tuple(next(it) for _ in range(n_drows))
+    dq_sc, *drow_sc = it
+    b, h, i, t = (pl.program_id(a) for a in range(4))
+    blk, partial, active = _lists_at(g, lists, b, h, i, t)
+
+    @pl.when(t == 0)
+    def _():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+        for sc in drow_sc:
+            sc[...] = jnp.zeros(sc.shape, jnp.float32)
+
+    def step(masked):
+        k = k_ref[...]
+        tg = backward_tile(mods, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
+                           _tile(g, b, h, i * g.tq, blk * g.tk), scale, masked, _inputs(s_refs), _inputs(m_refs))
+        dq_sc[...] += dot(tg.ds.astype(k.dtype), k)
+        for sc, d in zip(drow_sc, [d for d in tg.rows if d is not None]):
+            sc[...] += d
+
+    pl.when(partial)(lambda: step(True))
+    pl.when(active & ~partial)(lambda: step(False))
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _():
+        dq_ref[...] = (dq_sc[...] * scale).astype(dq_ref.dtype)
+        for ref, sc in zip(drow_refs, drow_sc):
+            ref[...] = sc[...]
+
+
+def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_dcols: int, nq: int):
+    it = iter(refs)
+    lists = tuple(next(it) for _ in range(4))
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+    s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
+    dk_ref, dv_ref = next(it), next(it)
+    dcol_refs = tuple(next(it) for _ in range(n_dcols))
+    dk_sc, dv_sc = it
+    b, kvh, j, t = (pl.program_id(a) for a in range(4))
+    h = kvh * g.G + t // nq
+    tt = t % nq
+    blk, partial, active = _lists_at(g, lists, b, h, j, tt)
+
+    @pl.when(t == 0)
+    def _():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    @pl.when(tt == 0)
+    def _():
+        for ref in dcol_refs:
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+    def step(masked):
+        q, do = q_ref[...], do_ref[...]
+        tg = backward_tile(mods, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...],
+                           _tile(g, b, h, blk * g.tq, j * g.tk), scale, masked, _inputs(s_refs), _inputs(m_refs))
+        dv_sc[...] += dot_tn(tg.p.astype(do.dtype), do)
+        dk_sc[...] += dot_tn(tg.ds.astype(q.dtype), q)
+        for ref, d in zip(dcol_refs, [d for d in tg.cols if d is not None]):
+            ref[...] += d
+
+    pl.when(partial)(lambda: step(True))
+    pl.when(active & ~partial)(lambda: step(False))
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _():
+        dk_ref[...] = (dk_sc[...] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: Prologue, m_pro: Prologue, *,
+             target, interpret: bool, warps=None, stages=None):
+    """Same contract as the GPU template's ``backward``."""
+    del target, warps, stages
+    G = g.G
+    qt, kt, vt, dot_ = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, do))
+    D, Dv = q.shape[-1], v.shape[-1]
+    nq, nk = g.sq // g.tq, g.skv // g.tk
+    float_rows = [is_float(r) for r in s_pro.rows]
+    float_cols = [is_float(c) for c in s_pro.cols]
+    pro_args = (*s_pro.rows, *s_pro.cols, *m_pro.rows, *m_pro.cols)
+
+    # dQ: grid (b, h, q tile, step over the kv list).
+    def kv_map(b, h, i, t, *refs):
+        return (b, h // G, _lists_at(g, refs, b, h, i, t)[0], 0)
+
+    def row_map(u, b, h, i, t, *refs):
+        return (*_bh(u, b, h), i, 0)
+
+    def col_map(u, b, h, i, t, *refs):
+        return (*_bh(u, b, h), 0, _lists_at(g, refs, b, h, i, t)[0])
+
+    def q_block(d):
+        return pl.BlockSpec((None, None, g.tq, d), lambda b, h, i, t, *_: (b, h, i, 0))
+
+    in_specs = [q_block(D), pl.BlockSpec((None, None, g.tk, D), kv_map), pl.BlockSpec((None, None, g.tk, Dv), kv_map),
+                q_block(Dv), q_block(1), q_block(1)]
+    in_specs += _mod_specs(mods.score, s_pro, g, row_map, col_map) + _mod_specs(mods.mask, m_pro, g, row_map, col_map)
+    out_specs = [q_block(D)] + [q_block(1) for f in float_rows if f]
+    out_shape = [jax.ShapeDtypeStruct(qt.shape, q.dtype)]
+    out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32) for f in float_rows if f]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=(g.B, g.Hq, nq, lists[1].shape[-1]), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((g.tq, D), jnp.float32)] + [pltpu.VMEM((g.tq, 1), jnp.float32)
+                                                               for f in float_rows if f])
+    kernel = functools.partial(_dq_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro), n_drows=sum(float_rows))
+    dq, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, compiler_params=_params(3),
+                               interpret=interpret, name="flexjax_bwd_dq",
+                               )(*lists[:4], qt, kt, vt, dot_, lse, delta, *pro_args)
+    it = iter(rest)
+    d_rows = tuple(next(it) if f else None for f in float_rows)
+
+    # dK/dV: grid (b, kv head, kv tile, step over (query head of the group, q list)).
+    def q_map(b, kvh, j, t, *refs):
+        h = kvh * G + t // nq
+        return (b, h, _lists_at(g, refs, b, h, j, t % nq)[0], 0)
+
+    def row_map_t(u, b, kvh, j, t, *refs):
+        h = kvh * G + t // nq
+        return (*_bh(u, b, h), _lists_at(g, refs, b, h, j, t % nq)[0], 0)
+
+    def col_map_t(u, b, kvh, j, t, *refs):
+        return (*_bh(u, b, kvh * G + t // nq), 0, j)
+
+    def kv_block(d):
+        return pl.BlockSpec((None, None, g.tk, d), lambda b, kvh, j, t, *_: (b, kvh, j, 0))
+
+    in_specs = [pl.BlockSpec((None, None, g.tq, D), q_map), kv_block(D), kv_block(Dv),
+                pl.BlockSpec((None, None, g.tq, Dv), q_map), pl.BlockSpec((None, None, g.tq, 1), q_map),
+                pl.BlockSpec((None, None, g.tq, 1), q_map)]
+    in_specs += (_mod_specs(mods.score, s_pro, g, row_map_t, col_map_t)
+                 + _mod_specs(mods.mask, m_pro, g, row_map_t, col_map_t))
+    out_specs = [kv_block(D), kv_block(Dv)] + [
+        pl.BlockSpec((None, None, 1, g.tk), lambda b, kvh, j, t, *_: (b, kvh * G + t // nq, 0, j))
+        for f in float_cols if f]
+    out_shape = [jax.ShapeDtypeStruct(kt.shape, k.dtype), jax.ShapeDtypeStruct(vt.shape, v.dtype)]
+    out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, 1, g.skv), jnp.float32) for f in float_cols if f]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=(g.B, g.Hkv, nk, G * lists[5].shape[-1]), in_specs=in_specs,
+        out_specs=out_specs, scratch_shapes=[pltpu.VMEM((g.tk, D), jnp.float32), pltpu.VMEM((g.tk, Dv), jnp.float32)])
+    kernel = functools.partial(_dkv_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro),
+                               n_dcols=sum(float_cols), nq=lists[5].shape[-1])
+    dk, dv, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, compiler_params=_params(3),
+                                   interpret=interpret, name="flexjax_bwd_dkv",
+                                   )(*lists[4:], qt, kt, vt, dot_, lse, delta, *pro_args)
+    it = iter(rest)
+    d_cols = tuple(next(it) if f else None for f in float_cols)
+    return (jnp.swapaxes(dq, 1, 2), jnp.swapaxes(dk, 1, 2), jnp.swapaxes(dv, 1, 2), d_rows, d_cols,
+            tuple(None for _ in s_pro.arrays))

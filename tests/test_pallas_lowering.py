@@ -1,0 +1,93 @@
+"""The pallas backend lowers for GPU (Triton) and TPU (Mosaic) from this CPU host.
+
+``kernel_options={"target": ...}`` emits the platform's kernel whatever the host; TPU
+lowering runs under an abstract mesh whose device kind is a TPU. Each catalog entry
+lowers forward and backward where the target supports it, and the others raise the
+compiler's NotImplementedError naming the primitive and the mod.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from catalog import BY_NAME, CATALOG, build
+from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_pallas import TPU_UNSUPPORTED
+
+import flexjax
+
+# (B, Sq, Skv, Hq, Hkv, D, Dv): GQA at a GPU-sized head dim, two 128-blocks per side.
+SHAPE = (2, 256, 256, 4, 2, 64, 64)
+TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CALL = "tpu_custom_call"
+
+
+def _lower(name_or_score_mod, target, grad: bool, sharding=None):
+    """Lowered text of a catalog entry (or a bare score_mod) for ``target``."""
+    B, Sq, Skv, Hq, Hkv, D, Dv = SHAPE
+    options = {"target": target}
+    if isinstance(name_or_score_mod, str):
+        _, params, attention = build(BY_NAME[name_or_score_mod], SHAPE, block_size=128)
+    else:
+        params = {}
+
+        def attention(q, k, v, params, **kw):
+            return flexjax.flex_attention(q, k, v, name_or_score_mod, return_lse=True, **kw)
+
+    def fwd(q, k, v, params):
+        return attention(q, k, v, params, backend="pallas", kernel_options=options)[0]
+
+    def loss(q, k, v, params):
+        return fwd(q, k, v, params).astype(jnp.float32).sum()
+
+    f = jax.grad(loss, argnums=(0, 1, 2, 3)) if grad else fwd
+    q = jax.ShapeDtypeStruct((B, Sq, Hq, D), jnp.bfloat16, sharding=sharding)
+    k = jax.ShapeDtypeStruct((B, Skv, Hkv, D), jnp.bfloat16, sharding=sharding)
+    v = jax.ShapeDtypeStruct((B, Skv, Hkv, Dv), jnp.bfloat16, sharding=sharding)
+    return jax.jit(f).trace(q, k, v, params).lower(lowering_platforms=(target,)).as_text()
+
+
+def _tpu_mesh():
+    device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    return AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("name", [c.name for c in CATALOG])
+def test_cuda_lowering(name, grad):
+    text = _lower(name, "cuda", grad)
+    # Forward: one kernel; with the backward also the dQ and dK/dV kernels.
+    assert text.count(TRITON_CALL) == (3 if grad else 1)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("name", [c.name for c in CATALOG])
+def test_tpu_lowering(name, grad):
+    mesh = _tpu_mesh()
+    with jax.sharding.use_abstract_mesh(mesh):
+        if name in TPU_UNSUPPORTED:
+            with pytest.raises(NotImplementedError, match="Mosaic TPU cannot gather"):
+                _lower(name, "tpu", grad, NamedSharding(mesh, P()))
+            return
+        text = _lower(name, "tpu", grad, NamedSharding(mesh, P()))
+    assert text.count(MOSAIC_CALL) == (3 if grad else 1)
+
+
+@pytest.mark.parametrize("fn,prim", [
+    (lambda s, b, h, q, k: s + jax.scipy.special.erf(s), "erf"),
+    (lambda s, b, h, q, k: jnp.round(s), "round"),
+])
+def test_cuda_unsupported_primitive_is_named(fn, prim):
+    fn.__name__ = f"uses_{prim}"
+    with pytest.raises(NotImplementedError, match=rf"uses_{prim}.*'{prim}'.*Triton"):
+        _lower(fn, "cuda", grad=False)
+
+
+def test_tpu_gather_error_names_the_mod():
+    x = jnp.zeros((1, 8, 2, 16))
+    table = jnp.zeros((2, 15))
+    with pytest.raises(NotImplementedError, match="relative_bias.*'dynamic_slice'.*Mosaic TPU"):
+        flexjax.flex_attention(x, x, x, flexjax.mods.relative_bias(table), backend="pallas",
+                               kernel_options={"target": "tpu"})
