@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
 
 # Scores of excluded pairs. A finite value, not -inf: (-inf) - (-inf) is NaN in the online
 # softmax of a tile where every pair is excluded; rows that stay fully excluded are fixed
@@ -43,7 +44,19 @@ def finish_lse(m, l):
     return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
-def float0_like(x):
-    import numpy as np
-
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
+    """The BlockMask's lists regrouped into (tq, tk) compute tiles."""
+    bq, bkv = block_size
+    fq, fk = tq // bq, tk // bkv
+    bm = BlockMask(*lists, seq_lengths=(q_len, kv_len), block_size=block_size, mask=None)
+    if fq == 1 and fk == 1:
+        return tuple(lists)
+    states = bm.block_states()
+    B, H, nq, nkv = states.shape
+    nqc, nkc = -(-nq // fq), -(-nkv // fk)
+    # Blocks past the end count as empty: they keep a coarse tile from being full.
+    states = jnp.pad(states, ((0, 0), (0, 0), (0, nqc * fq - nq), (0, nkc * fk - nkv)))
+    cells = states.reshape(B, H, nqc, fq, nkc, fk)
+    coarse = jnp.where((cells == FULL).all((3, 5)), FULL,
+                       jnp.where((cells != EMPTY).any((3, 5)), PARTIAL, EMPTY)).astype(jnp.int8)
+    return lists_from_states(coarse)

@@ -9,14 +9,12 @@ softmax in float32 and never materializes a (q_len, kv_len) array. Dao, "FlashAt
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
-from ._common import MASK_VALUE, ROW_INIT, allowed, apply_score_mod, finish_lse
+from ._common import MASK_VALUE, ROW_INIT, allowed, apply_score_mod, coarse_lists, finish_lse
 
 NAME = "xla"
 
@@ -104,24 +102,6 @@ def unsupported_reason(spec, q, k, v):
 
 
 # -- tiles ---------------------------------------------------------------------------------
-
-def _coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
-    """The BlockMask's lists regrouped into (tq, tk) compute tiles."""
-    bq, bkv = block_size
-    fq, fk = tq // bq, tk // bkv
-    bm = BlockMask(*lists, seq_lengths=(q_len, kv_len), block_size=block_size, mask=None)
-    if fq == 1 and fk == 1:
-        return tuple(lists)
-    states = bm.block_states()
-    B, H, nq, nkv = states.shape
-    nqc, nkc = -(-nq // fq), -(-nkv // fk)
-    # Blocks past the end count as empty: they keep a coarse tile from being full.
-    states = jnp.pad(states, ((0, 0), (0, 0), (0, nqc * fq - nq), (0, nkc * fk - nkv)))
-    cells = states.reshape(B, H, nqc, fq, nkc, fk)
-    coarse = jnp.where((cells == FULL).all((3, 5)), FULL,
-                       jnp.where((cells != EMPTY).any((3, 5)), PARTIAL, EMPTY)).astype(jnp.int8)
-    return lists_from_states(coarse)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Geom:
@@ -438,7 +418,7 @@ def _prepare(spec, q, k, lists, backward: bool):
         band = None
     tq, tk = (opts.bwd_block_q, opts.bwd_block_kv) if backward else (opts.block_q, opts.block_kv)
     g = _Geom(tq=tq, tk=tk, nq=-(-Sq // tq), nk=-(-spec.kv_len // tk), q_len=Sq, kv_len=spec.kv_len)
-    coarse = _coarse_lists(lists, spec.block_size, tq, tk, Sq, spec.kv_len)
+    coarse = coarse_lists(lists, spec.block_size, tq, tk, Sq, spec.kv_len)
     Bm, Hm = coarse[0].shape[:2]
     batch_shared, head_shared = Bm == 1, Hm == 1
     # Lists as (Bm, Hkv_m, G_m, ...) to line up with the query layout (B, Hkv, G, ...).

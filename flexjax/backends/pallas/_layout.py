@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..xla import _coarse_lists
+from .._common import coarse_lists
 from ._compiler import CompiledMod
 from ._tile import Mods
 
@@ -66,7 +66,7 @@ def geometry(spec, q, k, lists, tq: int, tk: int):
     cq, ck = max(bq, tq), max(bk, tk)
     lists = tuple(lists)
     if (cq, ck) != (bq, bk):
-        lists = tuple(_coarse_lists(lists, spec.block_size, cq, ck, spec.q_len, spec.kv_len))
+        lists = tuple(coarse_lists(lists, spec.block_size, cq, ck, spec.q_len, spec.kv_len))
     B, Sq, Hq, _ = q.shape
     g = Geom(tq=tq, tk=tk, cq=cq, ck=ck, sq=_round_up(Sq, cq), skv=_round_up(spec.kv_len, ck),
              q_len=Sq, kv_len=spec.kv_len, B=B, Hq=Hq, Hkv=k.shape[2], Bm=lists[0].shape[0],
