@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import flexjax
 from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads
 from checks import assert_close
+
+import flexjax
 
 # Small compute tiles (multiples of the 64 mask block) so that coarsening, several tiles
 # per row and ragged edges are all exercised at test sizes.
@@ -104,3 +104,13 @@ def test_default_backend_on_cpu_is_xla():
 
     assert platform_backends("cpu")[-1] == "xla"
     assert platform_backends("cpu")[0] == "xla"
+
+
+@pytest.mark.parametrize("S, window, block", [(128, 32, 32), (256, 64, 64), (300, 40, 64), (1024, 100, 128)])
+def test_band_forward_small_blocks(S, window, block):
+    """Band-like masks take the band forward; its q tiles must match the mask's blocks."""
+    q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 1, S, 2, 16))
+    bm = flexjax.create_block_mask(flexjax.masks.sliding_window(window), None, None, S, S, block_size=block)
+    got = flexjax.flex_attention(q, k, v, block_mask=bm, backend="xla")
+    want = flexjax.flex_attention(q, k, v, block_mask=bm, backend="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

@@ -77,8 +77,10 @@ def _resolve(spec) -> tuple[KernelOptions, int | None]:
     values = {f: opts.get(f) or getattr(default, f) for f in _FIELDS}
     band = None
     if spec.kv_band is not None and spec.kv_band <= _BAND_MAX and "block_q" not in opts and "block_kv" not in opts:
+        # kv_band is measured per mask block row, so the band forward's q tiles are
+        # exactly the mask's q blocks (a coarser tile could span a wider kv range).
         band = spec.kv_band
-        values["block_kv"] = spec.block_size[1]
+        values["block_q"], values["block_kv"] = spec.block_size
     return KernelOptions(**values), band
 
 
