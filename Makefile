@@ -22,12 +22,12 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
 
 bench: $(STAMP)
-	$(PY) -m pip install -q '.[bench]'
-	$(PY) benchmarks/bench_cpu.py
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m benchmarks.run --suite full --torch
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check flexjax tests benchmarks
+	$(VENV)/bin/ruff check flexjax tests benchmarks notebooks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

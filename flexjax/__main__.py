@@ -193,9 +193,7 @@ def show_mask(args: argparse.Namespace) -> int:
     bm = create_block_mask(mask_mod, None, None, args.seq, args.seq, block_size=args.block)
     print(bm.to_string())
     if args.out:
-        from ._plot import plot_block_mask
-
-        fig = plot_block_mask(bm)
+        fig = bm.plot()
         fig.savefig(args.out, dpi=120, bbox_inches="tight")
         print(f"saved {args.out}")
     return 0

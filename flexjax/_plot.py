@@ -51,7 +51,7 @@ def _pick(n: int, i: int, axis: str) -> int:
 
 
 def plot_block_mask(block_mask, b: int = 0, h: int = 0, ax=None, *, element: bool | None = None,
-                    mask_mod=None, max_element_seq: int = 512, title: str | None = None):
+                    mask_mod=None, max_element_seq: int = 512, title: str | None = None, legend: bool = True):
     """Draws the tiles of ``block_mask`` (empty / partial / full) and, optionally, its mask.
 
     Args:
@@ -64,6 +64,7 @@ def plot_block_mask(block_mask, b: int = 0, h: int = 0, ax=None, *, element: boo
       mask_mod: the mask_mod for the element picture; default the BlockMask's own.
       max_element_seq: the largest length drawn element by element when ``element=None``.
       title: a title for the tile picture; default the mask_mod's name and sparsity.
+      legend: draw the colour legends (turn off for all but one panel of a grid).
 
     Returns:
       The matplotlib Figure.
@@ -112,8 +113,11 @@ def plot_block_mask(block_mask, b: int = 0, h: int = 0, ax=None, *, element: boo
     tile_ax.set_xlabel(f"kv index (blocks of {bkv})")
     tile_ax.set_ylabel(f"q index (blocks of {bq})")
     tile_ax.set_title(title or f"{name}\n{nq}x{nkv} tiles, {empty:.1f}% skipped", fontsize=10)
-    tile_ax.legend(handles=[Patch(facecolor=c, edgecolor="0.6", label=lab) for c, lab in zip(_COLORS, _LABELS)],
-                   loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize=8, frameon=False)
+    if legend:
+        handles = [Patch(facecolor=c, edgecolor="0.6", label=lab)
+                   for c, lab in zip(_COLORS, _LABELS, strict=True)]
+        tile_ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, fontsize=8,
+                       frameon=False)
 
     if element:
         m = element_mask(block_mask, bi, hi, mask_mod)
@@ -125,9 +129,10 @@ def plot_block_mask(block_mask, b: int = 0, h: int = 0, ax=None, *, element: boo
         el_ax.set_xlabel("kv index")
         el_ax.set_ylabel("q index")
         el_ax.set_title(f"element mask ({m.mean() * 100:.1f}% of pairs attend)", fontsize=10)
-        el_ax.legend(handles=[Patch(facecolor=_ELEMENT_COLORS[1], label="attend"),
-                              Patch(facecolor=_ELEMENT_COLORS[0], edgecolor="0.6", label="masked")],
-                     loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+        if legend:
+            el_ax.legend(handles=[Patch(facecolor=_ELEMENT_COLORS[1], label="attend"),
+                                  Patch(facecolor=_ELEMENT_COLORS[0], edgecolor="0.6", label="masked")],
+                         loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     if ax is None:
         fig.tight_layout()
     return fig

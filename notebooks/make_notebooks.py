@@ -1,0 +1,615 @@
+"""Writes the example notebooks with nbformat and executes them with nbclient (outputs stored).
+
+    .venv/bin/python notebooks/make_notebooks.py            # write and execute all
+    .venv/bin/python notebooks/make_notebooks.py 03         # only those whose name contains "03"
+    .venv/bin/python notebooks/make_notebooks.py --no-run   # write without executing
+
+The cells live here, so a change to a notebook is a change to this file; regenerate
+and commit the .ipynb files with their outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+def setup(names: str, timing: bool = False) -> str:
+    """The first code cell: imports (``names`` from flexjax) and the SMALL switch."""
+    return f'''\
+import os
+{"import time" + chr(10) if timing else ""}
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+
+import flexjax
+from flexjax import {names}
+
+# FLEXJAX_NOTEBOOK_SMALL=1 shrinks the shapes further (the test suite sets it).
+SMALL = os.environ.get("FLEXJAX_NOTEBOOK_SMALL") == "1"
+print("jax", jax.__version__, "on", jax.default_backend(), "| flexjax", flexjax.__version__, "| small:", SMALL)'''
+
+
+DENSE = '''\
+def dense_attention(q, k, v, mask, score_mod=None):
+    """softmax(score_mod(q·kᵀ/sqrt(d)), masked) v with the whole (B, H, S, S) score matrix."""
+    B, S, H, D = q.shape
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    if score_mod is not None:
+        b = jnp.arange(B)[:, None, None, None]
+        h = jnp.arange(H)[None, :, None, None]
+        s = score_mod(s, b, h, jnp.arange(S)[:, None], jnp.arange(k.shape[1])[None, :])
+    s = jnp.where(mask, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)'''
+
+
+def md(text: str):
+    return nbformat.v4.new_markdown_cell(text)
+
+
+def code(text: str):
+    return nbformat.v4.new_code_cell(text)
+
+
+def quickstart():
+    return [
+        md("# flexjax quickstart\n\n"
+           "FlexAttention for JAX: you write attention variants as two small functions and flexjax turns them "
+           "into block-sparse, differentiable attention.\n\n"
+           "- a **`score_mod(score, b, h, q_idx, kv_idx) -> score`** rewrites one attention score "
+           "(biases, soft-capping, ...);\n"
+           "- a **`mask_mod(b, h, q_idx, kv_idx) -> bool`** says whether query `q_idx` may attend to key "
+           "`kv_idx`. `create_block_mask` evaluates it tile by tile so that `flex_attention` skips the tiles "
+           "where nothing attends.\n\n"
+           "Layout is `jax.nn.dot_product_attention`'s: `(batch, seq, heads, head_dim)`."),
+        code(setup("and_masks, create_block_mask, create_mask, flex_attention, masks, mods, or_masks")),
+        md("## score_mod and mask_mod in ten lines"),
+        code('''\
+B, S, H, D = 2, (128 if SMALL else 256), 4, 64
+q, k, v = jax.random.normal(jax.random.key(0), (3, B, S, H, D))
+
+def causal(b, h, q_idx, kv_idx):               # mask_mod: True = attend
+    return q_idx >= kv_idx
+
+def tanh_cap(score, b, h, q_idx, kv_idx):      # score_mod: rewrites one score
+    return 20.0 * jnp.tanh(score / 20.0)
+
+block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, block_size=32)
+out = flex_attention(q, k, v, score_mod=tanh_cap, block_mask=block_mask)
+print(out.shape, repr(block_mask))'''),
+        md("`out` is an ordinary JAX array: `flex_attention` works under `jax.jit`, `jax.grad` and `jax.vmap`. "
+           "Check it against plain dense attention, which builds the whole `S x S` score matrix:"),
+        code(DENSE + '''
+
+
+dense = dense_attention(q, k, v, create_mask(causal, B, H, S, S), tanh_cap)
+err = float(jnp.abs(out - dense).max())
+print(f"max |flex_attention - dense| = {err:.2e}")
+assert err < 1e-4'''),
+        md("The block mask records, for each `32 x 32` tile, whether it is **empty** (skipped), **partial** "
+           "(the mask_mod is applied inside it) or **full** (no masking needed). `to_string()` draws it as "
+           "text; `block_mask.plot()` draws it with matplotlib, with the element-level mask beside it for "
+           "short sequences."),
+        code('''\
+print(block_mask.to_string())
+fig = block_mask.plot()'''),
+        md("## A gallery of masks\n\n"
+           "`flexjax.masks` has ready-made mask_mods, and `and_masks` / `or_masks` combine any of them. "
+           "Below: causal, a sliding window, prefix-LM, packed documents, and a combination, a sliding "
+           "window plus four *attention-sink* tokens that every query keeps (StreamingLLM): "
+           "`or_masks(and_masks(causal, sliding_window), sink)`."),
+        code('''\
+bounds = np.round(np.cumsum([0, 0.15, 0.25, 0.2, 0.4]) * S).astype(int)   # four packed documents
+doc_ids = jnp.asarray(np.repeat(np.arange(4), np.diff(bounds)), dtype=jnp.int32)
+
+def sink(b, h, q_idx, kv_idx):
+    return kv_idx < 4
+
+gallery = {
+    "causal": masks.causal,
+    "sliding window (48)": masks.sliding_window(48),
+    "prefix-LM (prefix S/4)": masks.prefix_lm(S // 4),
+    "documents (causal)": and_masks(masks.causal, masks.document(doc_ids)),
+    "sliding window | sinks": or_masks(and_masks(masks.causal, masks.sliding_window(32)), sink),
+}
+block_masks = {name: create_block_mask(m, None, None, S, S, block_size=32) for name, m in gallery.items()}
+
+fig, axes = plt.subplots(2, len(gallery), figsize=(4 * len(gallery), 8))
+for j, (name, bm) in enumerate(block_masks.items()):
+    bm.plot(ax=(axes[0, j], axes[1, j]), element=True, legend=(j == 0),
+            title=f"{name}\\n{bm.sparsity():.0f}% of tiles skipped")
+fig.tight_layout()'''),
+        md("Each of them against dense attention (with ALiBi as the score_mod, for good measure):"),
+        code('''\
+alibi = mods.alibi(H)
+print(f"{'mask':<26}{'tiles skipped':>14}{'max |err|':>12}")
+for name, bm in block_masks.items():
+    out = flex_attention(q, k, v, alibi, bm)
+    ref = dense_attention(q, k, v, create_mask(gallery[name], B, H, S, S), alibi)
+    err = float(jnp.abs(out - ref).max())
+    print(f"{name:<26}{bm.sparsity():>13.1f}%{err:>12.2e}")
+    assert err < 1e-4, name'''),
+        md("## Gradients\n\n"
+           "`flex_attention` is differentiable in `q`, `k`, `v` and in any array a score_mod closes over, "
+           "such as a learnable bias table (see `03_training_with_learned_bias.ipynb`)."),
+        code('''\
+table = 0.1 * jax.random.normal(jax.random.key(1), (H, 2 * S - 1))
+bm = block_masks["causal"]
+dense_mask = create_mask(masks.causal, B, H, S, S)
+
+def loss_flex(q, table):
+    return (flex_attention(q, k, v, mods.relative_bias(table), bm) ** 2).sum()
+
+def loss_dense(q, table):
+    return (dense_attention(q, k, v, dense_mask, mods.relative_bias(table)) ** 2).sum()
+
+g_flex = jax.jit(jax.grad(loss_flex, argnums=(0, 1)))(q, table)
+g_dense = jax.jit(jax.grad(loss_dense, argnums=(0, 1)))(q, table)
+for name, a, b in zip(("dq", "dtable"), g_flex, g_dense):
+    rel = float(jnp.abs(a - b).max() / jnp.abs(b).max())
+    print(f"{name}: max relative difference {rel:.1e}")
+    assert rel < 1e-4'''),
+    ]
+
+
+def mods_gallery():
+    return [
+        md("# score_mod gallery\n\n"
+           "Each `flexjax.mods` factory returns a score_mod. For each one: a heat map of the scores it "
+           "produces (`score_mod(q·k/sqrt(d), ...)`, one head, masked pairs left white) next to the block "
+           "mask it is paired with, and a check of `flex_attention` against the dense `reference` backend."),
+        code(setup("create_block_mask, create_mask, flex_attention, masks, mods")),
+        code('''\
+B, S, H, D = 1, (96 if SMALL else 128), 4, 32
+BLOCK = 16
+q, k, v = jax.random.normal(jax.random.key(0), (3, B, S, H, D))
+raw = jnp.einsum("bqhd,bkhd->bhqk", q, k)[0] / np.sqrt(D)   # (H, S, S) scores before any score_mod
+qi, ki = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+
+
+def show(title, score_mod, mask_mod, head=0, raw_scores=raw, cmap="viridis", note=""):
+    """Modified scores of one head (masked pairs blank) beside the block mask; checks flex vs reference."""
+    bm = create_block_mask(mask_mod, None, None, S, S, block_size=BLOCK)
+    s = score_mod(raw_scores[head], 0, head, qi, ki)
+    allowed = np.asarray(create_mask(mask_mod, 1, H, S, S)[0, head])
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4.6))
+    im = a0.imshow(np.where(allowed, np.asarray(s), np.nan), cmap=cmap, interpolation="nearest")
+    fig.colorbar(im, ax=a0, fraction=0.046)
+    a0.set_title(f"{title}: scores after score_mod, head {head}" + (f"\\n{note}" if note else ""), fontsize=10)
+    a0.set_xlabel("kv index")
+    a0.set_ylabel("q index")
+    bm.plot(ax=a1, element=False)
+    fig.tight_layout()
+    out = flex_attention(q, k, v, score_mod, bm)
+    ref = flex_attention(q, k, v, score_mod, bm, backend="reference")
+    err = float(jnp.abs(out - ref).max())
+    print(f"{title}: max |xla - reference| = {err:.1e}")
+    assert err < 1e-4'''),
+        md("## ALiBi\n\n"
+           "`mods.alibi(H)` adds `slope[h] * (kv_idx - q_idx)`: a linear penalty on distance, a different "
+           "slope per head (Press et al., https://arxiv.org/abs/2108.12409). Paired with a causal mask. "
+           "Shown on zero scores, so the picture is the bias itself."),
+        code('''\
+zeros = jnp.zeros_like(raw)
+for head in (0, H - 1):
+    show("ALiBi", mods.alibi(H), masks.causal, head=head, raw_scores=zeros,
+         note=f"slope {mods.alibi_slopes(H)[head]:.3f}")'''),
+        md("## Soft-capping\n\n"
+           "`mods.soft_cap(cap)` squashes scores into `(-cap, cap)` with `cap * tanh(score / cap)` (Gemma 2). "
+           "Here the raw scores are scaled up 4x and capped at 2, with a sliding-window mask: the picture "
+           "saturates at +-2."),
+        code('''\
+fig, ax = plt.subplots(figsize=(4.5, 3.2))
+x = np.linspace(-8, 8, 200)
+ax.plot(x, x, "--", color="0.6", label="identity")
+ax.plot(x, mods.soft_cap(2.0)(jnp.asarray(x), 0, 0, 0, 0), label="soft_cap(2)")
+ax.set_xlabel("score")
+ax.legend()
+ax.set_title("soft_cap(2)")
+
+show("soft_cap(2)", mods.soft_cap(2.0), masks.sliding_window(32), raw_scores=4 * raw, cmap="coolwarm")'''),
+        md("## Learnable relative bias\n\n"
+           "`mods.relative_bias(table)` adds `table[h, kv_idx - q_idx + S - 1]`, one entry per head and "
+           "distance; the table is usually a parameter trained through `jax.grad`. Here a hand-made table "
+           "(a decaying ripple) with a prefix-LM mask, so distances of both signs appear."),
+        code('''\
+dist = np.arange(-(S - 1), S)
+table = jnp.asarray(np.stack([np.cos(dist / (4 + 3 * h)) * np.exp(-np.abs(dist) / 40) for h in range(H)]),
+                    dtype=jnp.float32)
+show("relative_bias", mods.relative_bias(table), masks.prefix_lm(S // 3), raw_scores=zeros, cmap="RdBu_r")'''),
+        md("## T5 bucketed relative bias\n\n"
+           "`mods.t5_relative_bucket_bias(table, num_buckets, max_distance)` puts each distance into one of "
+           "`num_buckets` buckets (exact for short distances, logarithmic up to `max_distance`) and adds "
+           "`table[h, bucket]` (Raffel et al., https://arxiv.org/abs/1910.10683). The buckets first, then the "
+           "bias with a document mask (three packed documents)."),
+        code('''\
+NB, MAXD = 16, 64
+rel = np.arange(-S + 1, S)
+buckets = np.asarray(mods.t5_relative_position_bucket(jnp.asarray(rel), NB, MAXD, bidirectional=True))
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.step(rel, buckets, where="mid")
+ax.set_xlabel("kv_idx - q_idx")
+ax.set_ylabel("bucket")
+ax.set_title(f"T5 buckets: num_buckets={NB}, max_distance={MAXD}, bidirectional")
+
+t5_table = jnp.asarray(np.linspace(-1.0, 1.0, NB)[None, :].repeat(H, 0) * np.array([1, -1, 0.5, 2])[:, None],
+                       dtype=jnp.float32)
+ids = jnp.asarray(np.repeat(np.arange(3), [S // 4, S // 2, S - S // 4 - S // 2]), dtype=jnp.int32)
+show("T5 bias", mods.t5_relative_bucket_bias(t5_table, NB, MAXD), masks.document(ids), raw_scores=zeros,
+     cmap="RdBu_r")'''),
+        md("## Your own score_mod\n\n"
+           "Anything written with `jnp` on the five arguments works; arrays it closes over become inputs of "
+           "the kernel (and get gradients). A head-dependent *and* position-dependent example: every head "
+           "boosts keys at a multiple of its own period."),
+        code('''\
+periods = jnp.array([2, 3, 5, 8])
+
+def periodic_boost(score, b, h, q_idx, kv_idx):
+    return score + jnp.where((q_idx - kv_idx) % periods[h] == 0, 1.0, 0.0)
+
+show("periodic_boost", periodic_boost, masks.causal, head=3, raw_scores=zeros, cmap="magma")'''),
+    ]
+
+
+def training():
+    return [
+        md("# Training with a learned relative-position bias\n\n"
+           "A tiny causal transformer in pure JAX learns a synthetic task: **output the token that came `K` "
+           "positions earlier**. The model has no positional embeddings; its only way to know where tokens "
+           "are is a learnable relative-position table `bias[h, kv_idx - q_idx]`, added to the scores by a "
+           "`score_mod`. `jax.grad` reaches the table through `flex_attention`.\n\n"
+           "The same model is trained twice from the same initialization on the same batches: once with "
+           "`flex_attention` (causal BlockMask), once with dense attention that materializes every score. "
+           "The loss curves should coincide; the speed and memory differ."),
+        code(setup("create_block_mask, flex_attention, masks, mods", timing=True)),
+        code('''\
+VOCAB, D_MODEL, HEADS, K = 16, 32, 2, 5
+SEQ, BATCH = (64, 8) if SMALL else (128, 16)
+STEPS, LR = (150 if SMALL else 300), 1e-2
+HEAD_DIM = D_MODEL // HEADS
+
+
+def init_params(key):
+    ks = jax.random.split(key, 6)
+    n = lambda k, shape, fan_in: jax.random.normal(k, shape) / np.sqrt(fan_in)  # noqa: E731
+    return {
+        "embed": n(ks[0], (VOCAB, D_MODEL), 1.0),
+        "wq": n(ks[1], (D_MODEL, HEADS, HEAD_DIM), D_MODEL),
+        "wk": n(ks[2], (D_MODEL, HEADS, HEAD_DIM), D_MODEL),
+        "wv": n(ks[3], (D_MODEL, HEADS, HEAD_DIM), D_MODEL),
+        "wo": n(ks[4], (HEADS, HEAD_DIM, D_MODEL), D_MODEL),
+        "unembed": n(ks[5], (D_MODEL, VOCAB), D_MODEL),
+        "rel_bias": jnp.zeros((HEADS, 2 * SEQ - 1)),   # learnable: entry SEQ-1+d for kv_idx - q_idx = d
+    }
+
+
+def batch(key, seq=SEQ, n=BATCH):
+    """Random tokens; the target at position i is the token at i - K (positions i < K are not scored)."""
+    x = jax.random.randint(key, (n, seq), 0, VOCAB)
+    y = jnp.roll(x, K, axis=1)
+    return x, y'''),
+        md("The attention layer takes the attention function as an argument, so both models share every "
+           "other line."),
+        code('''\
+def flex_attn(q, k, v, rel_bias, block_mask):
+    return flex_attention(q, k, v, mods.relative_bias(rel_bias), block_mask)
+
+
+def dense_attn(q, k, v, rel_bias, block_mask):
+    """The same math with the whole (B, H, S, S) score matrix."""
+    S = q.shape[1]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    idx = jnp.arange(S)
+    s = s + rel_bias[:, idx[None, :] - idx[:, None] + S - 1][None]
+    s = jnp.where(idx[:, None] >= idx[None, :], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def loss_fn(params, x, y, attn, block_mask):
+    h = params["embed"][x]                                          # (B, S, D_MODEL)
+    q = jnp.einsum("bsd,dhe->bshe", h, params["wq"])
+    k = jnp.einsum("bsd,dhe->bshe", h, params["wk"])
+    v = jnp.einsum("bsd,dhe->bshe", h, params["wv"])
+    a = attn(q, k, v, params["rel_bias"], block_mask)               # (B, S, HEADS, HEAD_DIM)
+    h = h + jnp.einsum("bshe,hed->bsd", a, params["wo"])
+    logits = h @ params["unembed"]
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    return nll[:, K:].mean()                                        # the first K positions have no source
+
+
+def adam(lr, b1=0.9, b2=0.99, eps=1e-8):
+    def init(p):
+        z = jax.tree.map(jnp.zeros_like, p)
+        return (z, z, 0)
+
+    def update(g, state, p):
+        m, v, t = state
+        t = t + 1
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+        p = jax.tree.map(lambda p, m, v: p - lr * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps), p, m, v)
+        return p, (m, v, t)
+
+    return init, update
+
+
+def make_step(attn):
+    opt_init, opt_update = adam(LR)
+
+    @jax.jit
+    def step(params, opt_state, x, y, block_mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y, attn, block_mask)
+        params, opt_state = opt_update(grads, opt_state, params)
+        return params, opt_state, loss
+
+    return opt_init, step'''),
+        md("Train both. `block_mask` is built once (it depends only on the sequence length) and passed into "
+           "the jitted step like any other pytree."),
+        code('''\
+block_mask = create_block_mask(masks.causal, None, None, SEQ, SEQ, block_size=32)
+params0 = init_params(jax.random.key(0))
+keys = jax.random.split(jax.random.key(1), STEPS)
+curves, final, seconds = {}, {}, {}
+for name, attn in (("flex_attention", flex_attn), ("dense", dense_attn)):
+    opt_init, step = make_step(attn)
+    params, opt_state = params0, opt_init(params0)
+    losses = []
+    t0 = time.perf_counter()
+    for i in range(STEPS):
+        x, y = batch(keys[i])
+        params, opt_state, loss = step(params, opt_state, x, y, block_mask)
+        losses.append(loss)
+    curves[name] = np.asarray(jax.device_get(losses))
+    seconds[name] = time.perf_counter() - t0
+    final[name] = params
+    print(f"{name:>15}: loss {curves[name][0]:.3f} -> {curves[name][-1]:.4f} in {seconds[name]:.1f} s "
+          f"(incl. compile)")
+gap = np.abs(curves["flex_attention"] - curves["dense"]).max()
+print(f"largest difference between the two loss curves: {gap:.2e}")
+assert curves["flex_attention"][-1] < 0.1 * curves["flex_attention"][0], "the model did not learn the task"
+assert gap < 1e-2'''),
+        code('''\
+fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4))
+for name, style in (("flex_attention", "-"), ("dense", "--")):
+    a0.plot(curves[name], style, label=name)
+a0.set_yscale("log")
+a0.set_xlabel("step")
+a0.set_ylabel("cross-entropy")
+a0.set_title(f"copy the token {K} back: loss (log scale)")
+a0.legend()
+d = np.arange(-(SEQ - 1), SEQ)
+for h in range(HEADS):
+    a1.plot(d, final["flex_attention"]["rel_bias"][h], label=f"head {h} (flex)")
+    a1.plot(d, final["dense"]["rel_bias"][h], ":", color="k", linewidth=1, label="dense" if h == 0 else None)
+a1.axvline(-K, color="red", alpha=0.3, linewidth=4, label=f"kv_idx - q_idx = -{K}")
+a1.set_xlim(-4 * K, 0.5)
+a1.set_xlabel("kv_idx - q_idx")
+a1.set_title("learned relative bias (causal part near 0)")
+a1.legend(fontsize=8)
+fig.tight_layout()
+peak = {h: int(d[: SEQ][np.argmax(final["flex_attention"]["rel_bias"][h][: SEQ])]) for h in range(HEADS)}
+print("distance with the largest learned bias, per head:", peak)'''),
+        md("## Speed and memory\n\n"
+           "The same training step at longer sequences (batch 4). Time: median of a few jitted steps. "
+           "Memory: the scratch space XLA plans for the compiled step (`memory_analysis().temp_size_in_bytes`), "
+           "which for dense attention grows with `S^2` (the score matrix and its gradient) and for "
+           "flex_attention with `S`. Memory is read from the compiled program without running it, so the "
+           "longest length is only compiled."),
+        code('''\
+def measure(attn, seq, run):
+    params = init_params(jax.random.key(0))
+    params["rel_bias"] = jnp.zeros((HEADS, 2 * seq - 1))
+    bm = create_block_mask(masks.causal, None, None, seq, seq)
+    opt_init, step = make_step(attn)
+    opt_state = opt_init(params)
+    x, y = batch(jax.random.key(2), seq, 4)
+    compiled = step.lower(params, opt_state, x, y, bm).compile()
+    temp_mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    ms = float("nan")
+    if run:
+        jax.block_until_ready(compiled(params, opt_state, x, y, bm))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(params, opt_state, x, y, bm))
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms = float(np.median(times))
+    return ms, temp_mib
+
+
+lengths = [256, 1024, 4096] if not SMALL else [128, 512]
+rows = []
+for seq in lengths:
+    run = seq <= 1024
+    for name, attn in (("flex_attention", flex_attn), ("dense", dense_attn)):
+        ms, mib = measure(attn, seq, run)
+        rows.append((seq, name, ms, mib))
+        step = f"{ms:8.1f} ms" if run else "(compiled only)"
+        print(f"S={seq:>5} {name:>15}: step {step:>15}   XLA temp memory {mib:9.1f} MiB")'''),
+        code('''\
+fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 3.8))
+for name, marker in (("flex_attention", "o"), ("dense", "s")):
+    r = [row for row in rows if row[1] == name]
+    timed = [row for row in r if not np.isnan(row[2])]
+    a0.plot([row[0] for row in timed], [row[2] for row in timed], marker=marker, label=name)
+    a1.plot([row[0] for row in r], [row[3] for row in r], marker=marker, label=name)
+for a, title, unit in ((a0, "training step time", "ms"), (a1, "XLA temp memory of the step", "MiB")):
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("sequence length")
+    a.set_ylabel(unit)
+    a.set_title(title)
+    a.legend()
+fig.tight_layout()'''),
+    ]
+
+
+def performance():
+    return [
+        md("# Performance\n\n"
+           "Plots the JSON lines written by the benchmark runner:\n\n"
+           "```\npython -m benchmarks.run --suite ci --torch --out bench_results\n```\n\n"
+           "By default this reads the small sample committed at `notebooks/data/bench_ci.jsonl` (a `--suite ci` "
+           "run on a 2-core CPU; its timings are noisy and predate kernel tuning). Set `FLEXJAX_BENCH_JSONL` to "
+           "plot another run, e.g. `bench_results/results.jsonl` from `--suite full`.\n\n"
+           "*Effective* GFLOP/s count only the unmasked (q, kv) pairs (`4 * pairs * D * H * B` per forward, "
+           "3.5x for forward + backward), so a dense implementation that computes masked pairs too is charged "
+           "for them."),
+        code('''\
+import json
+import os
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+path = os.environ.get("FLEXJAX_BENCH_JSONL", os.path.join("data", "bench_ci.jsonl"))
+records = [json.loads(line) for line in open(path)]
+machine = {k: v for r in records if r["kind"] == "machine" for k, v in r.items()}
+print(f"{path}: {len(records)} records")
+print("command:", machine.get("command"))
+print("machine:", machine.get("cpu"), f"({machine.get('cpus_usable')} cores),", "jax", machine.get("jax"),
+      "| torch", machine.get("torch", "not run"), "|", machine.get("date"))
+attn = [r for r in records if r["kind"] == "attention"]
+STYLE = {"flexjax": ("C0", "o"), "jax.nn.dot_product_attention": ("C1", "s"), "dense_jnp": ("C2", "^"),
+         "torch.flex_attention": ("C3", "D"), "torch.sdpa": ("C4", "v")}'''),
+        md("## Causal forward: time and effective GFLOP/s against sequence length"),
+        code('''\
+def series(mask, mode, impl, score_mod=None):
+    rs = sorted((r for r in attn if r["mask"] == mask and r["mode"] == mode and r["impl"] == impl
+                 and r.get("score_mod") == score_mod and r["status"] == "ok"), key=lambda r: r["S"])
+    return [r["S"] for r in rs], [r["median_ms"] for r in rs], [r["eff_gflops"] for r in rs]
+
+
+fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.2))
+for impl, (color, marker) in STYLE.items():
+    S, ms, gf = series("causal", "fwd", impl)
+    if S:
+        a0.plot(S, ms, marker=marker, color=color, label=impl)
+        a1.plot(S, gf, marker=marker, color=color, label=impl)
+a0.set_yscale("log")
+a0.set_ylabel("median ms")
+a1.set_ylabel("effective GFLOP/s")
+for a, title in ((a0, "causal forward, B=1 H=8 D=64 float32: time"), (a1, "... effective GFLOP/s")):
+    a.set_xscale("log", base=2)
+    a.set_xlabel("sequence length")
+    a.set_title(title)
+    a.grid(alpha=0.3)
+a0.legend(fontsize=8)
+fig.tight_layout()'''),
+        md("## Every spec at a glance\n\n"
+           "Time of each implementation relative to flexjax (bars above 1: flexjax is faster), per spec. "
+           "Missing bars: not applicable (torch FlexAttention has no CPU backward) or skipped."),
+        code('''\
+import textwrap
+
+specs = list(dict.fromkeys(r["spec"] for r in attn))
+labels = {r["spec"]: r["label"] for r in attn}
+impls = [i for i in STYLE if any(r["impl"] == i for r in attn)]
+fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(specs)), 4.2))
+width = 0.8 / len(impls)
+for j, impl in enumerate(impls):
+    ratios = []
+    for s in specs:
+        flex = next((r for r in attn if r["spec"] == s and r["impl"] == "flexjax" and r["status"] == "ok"), None)
+        r = next((r for r in attn if r["spec"] == s and r["impl"] == impl and r["status"] == "ok"), None)
+        ratios.append(r["median_ms"] / flex["median_ms"] if (r and flex) else np.nan)
+    ax.bar(np.arange(len(specs)) + j * width - 0.4 + width / 2, ratios, width, color=STYLE[impl][0], label=impl)
+ax.axhline(1, color="k", linewidth=0.8)
+ax.set_yscale("log")
+ax.set_xticks(np.arange(len(specs)))
+ax.set_xticklabels([textwrap.fill(labels[s], 20) for s in specs], fontsize=8)
+ax.set_ylabel("time / flexjax time")
+ax.set_title("relative time per spec (log scale)")
+ax.legend(fontsize=8, ncol=len(impls), loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+fig.tight_layout()
+
+print(f"{'spec':<44}" + "".join(f"{i[:22]:>24}" for i in impls))
+for s in specs:
+    cells = []
+    for impl in impls:
+        r = next((r for r in attn if r["spec"] == s and r["impl"] == impl), None)
+        cells.append("" if r is None else (f"{r['median_ms']:.1f} ms" if r["status"] == "ok" else r["status"]))
+    print(f"{labels[s]:<44}" + "".join(f"{c:>24}" for c in cells))'''),
+        md("## Block-mask build time\n\n"
+           "`create_block_mask` evaluates the mask_mod tile by tile. The first call traces and compiles; later "
+           "calls with the same shapes reuse the compiled builder (a BlockMask is usually built once per "
+           "batch shape, or inside the jitted step)."),
+        code('''\
+build = [r for r in records if r["kind"] == "build" and r["status"] == "ok"]
+fig, ax = plt.subplots(figsize=(8, 4.5))
+mask_colors = {m: f"C{i}" for i, m in enumerate(sorted({r["mask"] for r in build}))}
+for side, marker, name in (("jax", "o", "flexjax"), ("torch", "s", "torch")):
+    for mask, color in mask_colors.items():
+        rs = sorted((r for r in build if r["side"] == side and r["mask"] == mask), key=lambda r: r["S"])
+        if not rs:
+            continue
+        S = [r["S"] for r in rs]
+        ax.plot(S, [r["median_ms"] for r in rs], marker=marker, color=color, linestyle="-" if side == "jax" else "--",
+                label=f"{name} {mask} (cached)")
+        ax.plot(S, [r["first_ms"] for r in rs], marker="x", color=color, linestyle=":", linewidth=0.8,
+                label=f"{name} {mask} (first call)")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("sequence length")
+ax.set_ylabel("ms")
+ax.set_title("create_block_mask time (block 128)")
+ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+ax.grid(alpha=0.3)
+fig.tight_layout()
+
+for r in [r for r in records if r["kind"] == "memory"]:
+    print(f"memory: {r.get('label') or r['spec']}: peak RSS {r.get('peak_rss_mib', float('nan')):.0f} MiB "
+          f"(goal {r.get('goal_mib')} MiB) -> {r['status']}")'''),
+    ]
+
+
+NOTEBOOKS = {
+    "01_quickstart.ipynb": quickstart,
+    "02_mods_gallery.ipynb": mods_gallery,
+    "03_training_with_learned_bias.ipynb": training,
+    "04_performance.ipynb": performance,
+}
+
+
+def build(name: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = NOTEBOOKS[name]()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookNode:
+    """Runs ``nb`` top to bottom in notebooks/ with the current interpreter's python3 kernel."""
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": HERE}}).execute()
+    return nb
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("only", nargs="*", help="substrings of the notebook names to build")
+    p.add_argument("--no-run", action="store_true", help="write the notebooks without executing them")
+    args = p.parse_args(argv)
+    for name in NOTEBOOKS:
+        if args.only and not any(s in name for s in args.only):
+            continue
+        nb = build(name)
+        if not args.no_run:
+            t0 = time.perf_counter()
+            execute(nb)
+            print(f"{name}: executed in {time.perf_counter() - t0:.1f} s", flush=True)
+        nbformat.write(nb, os.path.join(HERE, name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
