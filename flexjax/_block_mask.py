@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +157,7 @@ class BlockMask:
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def from_states(cls, states, mask_consts, *, seq_lengths, block_size, mask) -> "BlockMask":
+    def from_states(cls, states, mask_consts, *, seq_lengths, block_size, mask) -> BlockMask:
         """Builds a BlockMask from a (B, H, nQ, nKV) array of EMPTY/PARTIAL/FULL."""
         return cls(*lists_from_states(states), mask_consts, seq_lengths=seq_lengths,
                    block_size=block_size, mask=mask)
@@ -252,7 +252,7 @@ class BlockMask:
         return (f"BlockMask(shape=({B}, {H}, {Q}, {KV}), block_size={self.block_size}, "
                 f"sparsity={sp}, mask_mod={name})")
 
-    def __getitem__(self, index) -> "BlockMask":
+    def __getitem__(self, index) -> BlockMask:
         """Selects batches/heads, e.g. ``bm[0]``, ``bm[:, 2]``; keeps the 4-D layout.
 
         The mask_mod is still called with the original b/h, so a slice is for

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ class TracedMod:
     def arg_names(self) -> tuple[str, ...]:
         return SCORE_ARGS if self.kind == "score" else MASK_ARGS
 
-    def static(self) -> "StaticMod":
+    def static(self) -> StaticMod:
         """The hashable part (no arrays), for jit static arguments and pytree aux data."""
         return StaticMod(self.kind, self.fn, self.jaxpr, self.uses, len(self.consts))
 
