@@ -189,7 +189,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
                 m, l, acc = carry
                 j = idx_list[t]
                 tile = _Tile(spec, g, mask_consts, b_ids, h_ids, i, j, masked)
-                s = _bmm(q_i, _rows(_slice(kT, j * g.tk, g.tk, 3), lead)) * spec.scale
+                s = _bmm(q_i, _rows(_slice(kT, j * g.tk, g.tk, 3), lead))
                 s = tile.score_mod(spec, score_consts, s.reshape(tile_shape))
                 if masked:
                     s = jnp.where(tile.ok, s, MASK_VALUE)
@@ -247,7 +247,7 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
         ok = allowed(spec, mask_consts, b, h, q_c, kv_c, q_idx < g.q_len, kv_idx < g.kv_len)
         ok = ok & (kv_n[i] + fkv_n[i] > 0)
         s = _bmm(_rows(_slice(qt, i * g.tq, g.tq, 3), lead), _rows(_slice(kT, start, width, 3), lead))
-        s = apply_score_mod(spec, score_consts, (s * spec.scale).reshape(lead + (g.tq, width)), b, h, q_c, kv_c)
+        s = apply_score_mod(spec, score_consts, s.reshape(lead + (g.tq, width)), b, h, q_c, kv_c)
         s = jnp.where(ok, s, MASK_VALUE)
         # The floor ROW_INIT (> MASK_VALUE) makes fully excluded rows give p = 0, not 1.
         m = jnp.maximum(s.max(-1), ROW_INIT)
@@ -303,7 +303,7 @@ def _bwd_core(spec, g, score_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, 
                 do_blk = _slice(dot, i * g.tq, g.tq, 3)
                 lse_i = _slice(lse_safe, i * g.tq, g.tq, 3)
                 delta_i = _slice(delta, i * g.tq, g.tq, 3)
-                s_raw = (_bmm(_rows(q_blk, lead), kT_j) * spec.scale).reshape(tile_shape)
+                s_raw = _bmm(_rows(q_blk, lead), kT_j).reshape(tile_shape)
                 consts_f = tuple(score_consts[n] for n in float_idx)
                 s, mod_vjp = jax.vjp(lambda s_, c_: tile.score_mod(spec, with_float(c_), s_), s_raw, consts_f)
                 p = jnp.exp(s - lse_i[..., None])
@@ -317,7 +317,7 @@ def _bwd_core(spec, g, score_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, 
                 dp = _bmm(_rows(do_blk, lead), vT_j).reshape(tile_shape)
                 ds = p * (dp - delta_i[..., None])
                 ds_raw, dc = mod_vjp(ds)
-                ds_rows = _rows(ds_raw, lead) * spec.scale
+                ds_rows = _rows(ds_raw, lead)
                 qT_i = jnp.moveaxis(_slice(qT, i * g.tq, g.tq, 4), 2, 3).reshape(n_rows, d, -1)
                 dkT = dkT + _bmm(qT_i, ds_rows)
                 dq_i = _bmm(ds_rows, k_j).reshape(lead + (g.tq, d))
@@ -435,7 +435,8 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
     g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
     hkv = k.shape[2]
     skv_pad = max(g.nk * g.tk, band or 0)
-    qt = _pad_seq(_heads_major(q, hkv), g.nq * g.tq)
+    # Scaling q once (O(S*D)) instead of every (tq, tk) score tile saves a pass per tile.
+    qt = _pad_seq(_heads_major(q, hkv) * spec.scale, g.nq * g.tq)
     kT = _pad_seq(jnp.swapaxes(_heads_major(k, hkv)[:, :, 0], -1, -2), skv_pad, axis=-1)
     vt = _pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad)
 
@@ -459,7 +460,9 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     B, Sq, Hq, D = q.shape
     hkv = k.shape[2]
     sq_pad, skv_pad = g.nq * g.tq, g.nk * g.tk
-    qt = _pad_seq(_heads_major(q, hkv), sq_pad)
+    # With q pre-scaled, s = (q*scale)·k and dK = dS^T (q*scale) need no per-tile scaling;
+    # dQ = scale * dS K is scaled once at the end.
+    qt = _pad_seq(_heads_major(q, hkv) * spec.scale, sq_pad)
     kt = _pad_seq(_heads_major(k, hkv)[:, :, 0], skv_pad)
     kT = jnp.swapaxes(kt, -1, -2)
     vT = jnp.swapaxes(_pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad), -1, -2)
@@ -479,7 +482,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     qrows = (dot, jnp.swapaxes(qt, -1, -2), jnp.swapaxes(dot, -1, -2), lse_t, delta_t)
     (dq,), (dkT, dvT), dconsts = _run_groups(core, b_sh, h_sh, qt, (kT, kt, vT), qrows,
                                              coarse, b_ids, h_ids)
-    dq = dq[..., :Sq, :].reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3).astype(q.dtype)
+    dq = (dq[..., :Sq, :] * spec.scale).reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3).astype(q.dtype)
     dk = dkT[..., : spec.kv_len].transpose(0, 3, 1, 2).astype(k.dtype)
     dv = dvT[..., : spec.kv_len].transpose(0, 3, 1, 2).astype(v.dtype)
     dscore = [None] * len(score_consts)
