@@ -29,9 +29,9 @@ class AttentionSpec:
       q_len, kv_len: sequence lengths.
       block_size: the BlockMask's (block_q, block_kv).
       kernel_options: the user's options as a sorted tuple of (key, value) pairs.
-      kv_band: the widest kv range, in positions, from the first to the last non-empty
-        tile of any q block (None when the BlockMask is traced); backends may pick tiles
-        from it (a band of width 256 wants other tiles than causal attention).
+      kv_band: the BlockMask's kv_band (the widest kv range of any q block, None when
+        unknown); backends may pick tiles from it (a band of width 256 wants other tiles
+        than causal attention).
     """
 
     score: StaticMod | None
@@ -104,27 +104,6 @@ def _check_block_mask(block_mask, B, Hq, Sq, Skv):
         )
 
 
-def _kv_band(block_mask: BlockMask) -> int | None:
-    """Widest (last - first + 1) non-empty kv block range of any q block, in positions.
-
-    None when the BlockMask is traced (not known until run time).
-    """
-    lists = block_mask.tree_flatten()[0][:4]
-    if any(isinstance(x, jax.core.Tracer) for x in lists):
-        return None
-    kv_n, kv_i, fkv_n, fkv_i = (np.asarray(x) for x in lists)
-    nkv = kv_i.shape[-1]
-    rows = np.arange(nkv)
-
-    def ends(n, idx):
-        valid = rows < n[..., None]
-        return (np.where(valid, idx, nkv).min(-1), np.where(valid, idx, -1).max(-1))
-
-    (f0, l0), (f1, l1) = ends(kv_n, kv_i), ends(fkv_n, fkv_i)
-    width = np.maximum(l0, l1) - np.minimum(f0, f1) + 1
-    return int(max(width.max(), 1)) * block_mask.block_size[1]
-
-
 def _options_tuple(kernel_options) -> tuple:
     if kernel_options is None:
         return ()
@@ -188,7 +167,7 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
                          kv_len=Skv, block_size=block_mask.block_size,
                          kernel_options=_options_tuple(kernel_options),
-                         kv_band=_kv_band(block_mask))
+                         kv_band=block_mask.kv_band)
     impl = _choose_backend(backend, spec, query, key, value)
     lists = block_mask.tree_flatten()[0][:8]
     out, lse = _attention(impl.NAME, spec, query, key, value, tuple(score_consts),

@@ -122,14 +122,17 @@ class BlockMask:
       q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transposed lists
         (per kv block, its q blocks) that the dK/dV pass walks.
       mask_consts: the arrays the mask_mod closes over.
-    Static: ``seq_lengths = (Q_LEN, KV_LEN)``, ``block_size``, and the traced mask_mod.
+    Static: ``seq_lengths = (Q_LEN, KV_LEN)``, ``block_size``, the traced mask_mod, and
+    ``kv_band``: the widest kv range (first to last non-empty tile of any q block, in
+    positions), known when the lists are concrete at construction (None when built under
+    ``jit``); it stays with the mask across ``jit`` boundaries so backends can pick tiles.
     B and H are 1 where the mask broadcasts over that axis.
     """
 
     def __init__(self, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                  q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, mask_consts=(),
                  *, seq_lengths: tuple[int, int], block_size: tuple[int, int],
-                 mask: StaticMod | None):
+                 mask: StaticMod | None, kv_band: int | None = None):
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
         self.full_kv_num_blocks = full_kv_num_blocks
@@ -142,18 +145,19 @@ class BlockMask:
         self.seq_lengths = tuple(seq_lengths)
         self.block_size = tuple(block_size)
         self.mask = mask
+        self.kv_band = kv_band if kv_band is not None else _kv_band(self)
 
     # -- pytree -------------------------------------------------------------------------
     def tree_flatten(self):
         children = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
                     self.full_kv_indices, self.q_num_blocks, self.q_indices,
                     self.full_q_num_blocks, self.full_q_indices, self.mask_consts)
-        return children, (self.seq_lengths, self.block_size, self.mask)
+        return children, (self.seq_lengths, self.block_size, self.mask, self.kv_band)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        seq_lengths, block_size, mask = aux
-        return cls(*children, seq_lengths=seq_lengths, block_size=block_size, mask=mask)
+        seq_lengths, block_size, mask, kv_band = aux
+        return cls(*children, seq_lengths=seq_lengths, block_size=block_size, mask=mask, kv_band=kv_band)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -270,6 +274,27 @@ class BlockMask:
 
         children, aux = self.tree_flatten()
         return BlockMask.tree_unflatten(aux, [take(c) for c in children[:8]] + [children[8]])
+
+
+def _kv_band(bm: BlockMask) -> int | None:
+    """Widest (last - first + 1) non-empty kv block range of any q block, in positions.
+
+    None when the lists are traced (not known until run time).
+    """
+    lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    if any(isinstance(x, jax.core.Tracer) or not hasattr(x, "shape") for x in lists):
+        return None
+    kv_n, kv_i, fkv_n, fkv_i = (np.asarray(x) for x in lists)
+    nkv = kv_i.shape[-1]
+    cols = np.arange(nkv)
+
+    def ends(n, idx):
+        valid = cols < n[..., None]
+        return np.where(valid, idx, nkv).min(-1), np.where(valid, idx, -1).max(-1)
+
+    (f0, l0), (f1, l1) = ends(kv_n, kv_i), ends(fkv_n, fkv_i)
+    width = np.maximum(l0, l1) - np.minimum(f0, f1) + 1
+    return int(max(width.max(), 1)) * bm.block_size[1]
 
 
 def _tile_states_for_q_block(mask: StaticMod, consts, qb, *, B, H, q_len, kv_len, bq, bkv, nkv):
