@@ -118,6 +118,9 @@ def run_attention(spec) -> list[dict]:
 
     mm, sm = mask_mod(spec), score_mod(spec)
     bm = None if mm is None else create_block_mask(mm, None, None, spec.S, spec.S, device="cpu")
+    # Every spec recompiles flex_attention; past dynamo's recompile limit (8) torch would
+    # silently run it eagerly (measured 6.7 s instead of ~0.1 s), so start each spec fresh.
+    torch._dynamo.reset()
     detail = "torch.compile(flex_attention), CPU template; first call includes compile"
     if grad:
         try:

@@ -43,6 +43,10 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# The band forward maps over q tiles two at a time (vmapped pairs): fewer loop steps, each
+# twice as large; measured 70 vs 77 ms on sliding window 256 at S=8192 (1, 3, 4 were slower).
+_BAND_BATCH = 2
+
 # Masks whose q blocks attend to at most this many kv positions (first to last non-empty
 # tile) run the band forward: one contiguous kv slice per q tile, one matmul, no loop.
 # Sliding window 256 at S=8192 (band 384): band forward ~2x less CPU than 128x128 loops.
@@ -256,7 +260,7 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
         pv = _bmm(_rows(p, lead), _rows(_slice(vt, start, width, 2), lead)).reshape(lead + (g.tq, -1))
         return pv / jnp.where(l > 0, l, 1.0)[..., None], finish_lse(m, l)
 
-    outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32))
+    outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32), batch_size=_BAND_BATCH)
     out = jnp.moveaxis(outs, 0, 3).reshape(lead + (g.nq * g.tq, vt.shape[-1]))
     lse = jnp.moveaxis(lses, 0, 3).reshape(lead + (g.nq * g.tq,))
     return out, lse
