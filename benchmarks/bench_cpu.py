@@ -11,7 +11,6 @@ several runs, and written as one JSON line. Usually driven by ``python -m benchm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -31,7 +30,6 @@ from flexjax import masks, mods
 from flexjax.backends import platform_backends
 
 # A worker's protocol lines on stdout start with this; everything else is ignored.
-PREFIX = "@@bench "
 # Dense baselines hold a few (B, H, S, S) float32 arrays; skip them past this many GiB
 # (the machine is shared; S=8192, H=8 forward needs ~6 GiB).
 MAX_DENSE_GIB = float(os.environ.get("FLEXJAX_BENCH_MAX_DENSE_GIB", "8"))
@@ -238,23 +236,6 @@ def machine_info() -> dict:
             "flexjax": flexjax.__version__, "python": platform.python_version()}
 
 
-def _emit(rec: dict, stream) -> None:
-    stream.write(PREFIX + json.dumps(rec) + "\n")
-    stream.flush()
-
-
-def worker() -> None:
-    """Reads spec names from stdin, one a line; answers each with records, then "done"."""
-    _emit(machine_info(), sys.stdout)
-    for line in sys.stdin:
-        name = line.strip()
-        if not name:
-            continue
-        for rec in run_spec(name):
-            _emit(rec, sys.stdout)
-        _emit({"kind": "done", "spec": name}, sys.stdout)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="full", help="ci or full (default full)")
@@ -265,23 +246,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     S.use_suite_timing(args.suite)
     if args.worker:
-        worker()
+        S.serve(run_spec, machine_info)
         return 0
     if args.memory:
-        _emit(run_spec(args.memory)[0], sys.stdout)
+        S.emit(run_spec(args.memory)[0])
         return 0
-    names = args.spec or [s.name for kind in ("attention", "build") for s in S.suite(args.suite)[kind]]
-    records = [machine_info()]
-    for i, name in enumerate(names, 1):
-        print(f"[{i}/{len(names)}] {name}", file=sys.stderr, flush=True)
-        records += run_spec(name)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-    from benchmarks.run import render_markdown
-
-    print(render_markdown(records, command=" ".join([os.path.basename(sys.executable), *sys.argv])))
-    return 0
+    return S.run_standalone(args, run_spec, machine_info)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: `python benchmarks/run.py`
 from benchmarks import specs as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PREFIX = "@@bench "
+PREFIX = S.PREFIX
 # Row order inside each spec of the table.
 IMPL_ORDER = ("flexjax", "jax.nn.dot_product_attention", "dense_jnp", "torch.flex_attention", "torch.sdpa")
 

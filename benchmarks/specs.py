@@ -8,7 +8,10 @@ line up in one table.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -231,3 +234,46 @@ def measure(call: Callable[[], object], sync: Callable[[object], object], *, war
 def dense_bytes(spec, arrays: int) -> int:
     """Bytes of ``arrays`` dense (B, H, S, S) float32 score-sized arrays."""
     return arrays * spec.B * spec.H * spec.S * spec.S * 4
+
+
+# -- the worker protocol both sides speak with benchmarks.run ------------------------------
+
+#: Lines of a worker's stdout that carry a JSON record start with this.
+PREFIX = "@@bench "
+
+
+def emit(rec: dict, stream=None) -> None:
+    """Writes one record for benchmarks.run to read."""
+    stream = stream or sys.stdout
+    stream.write(PREFIX + json.dumps(rec) + "\n")
+    stream.flush()
+
+
+def serve(run_spec: Callable[[str], list], machine_info: Callable[[], dict]) -> None:
+    """Worker loop: reads spec names from stdin, one a line; answers each with its
+    records, then a "done" record."""
+    emit(machine_info())
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        for rec in run_spec(name):
+            emit(rec)
+        emit({"kind": "done", "spec": name})
+
+
+def run_standalone(args, run_spec: Callable[[str], list], machine_info: Callable[[], dict]) -> int:
+    """One side run on its own: the named specs (default: the suite's), a markdown table
+    on stdout and, with ``args.out``, JSON lines appended to that file."""
+    names = args.spec or [s.name for kind in ("attention", "build") for s in suite(args.suite)[kind]]
+    records = [machine_info()]
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] {name}", file=sys.stderr, flush=True)
+        records += run_spec(name)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    from benchmarks.run import render_markdown
+
+    print(render_markdown(records, command=" ".join([os.path.basename(sys.executable), *sys.argv])))
+    return 0

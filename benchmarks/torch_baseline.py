@@ -10,7 +10,6 @@ by ``python -m benchmarks.run --torch``; on its own:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -26,7 +25,6 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from benchmarks import specs as S
 
-PREFIX = "@@bench "
 MAX_DENSE_GIB = float(os.environ.get("FLEXJAX_BENCH_MAX_DENSE_GIB", "8"))
 # torch's create_block_mask evaluates the whole S x S mask at once: 10.8 GB peak RSS at
 # S=32768 (4 documents, measured), too much for a shared 23 GB machine.
@@ -198,23 +196,6 @@ def machine_info() -> dict:
             "python": platform.python_version()}
 
 
-def _emit(rec: dict) -> None:
-    sys.stdout.write(PREFIX + json.dumps(rec) + "\n")
-    sys.stdout.flush()
-
-
-def worker() -> None:
-    """Reads spec names from stdin, one a line; answers each with records, then "done"."""
-    _emit(machine_info())
-    for line in sys.stdin:
-        name = line.strip()
-        if not name:
-            continue
-        for rec in run_spec(name):
-            _emit(rec)
-        _emit({"kind": "done", "spec": name})
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="full", help="ci or full (default full)")
@@ -224,20 +205,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     S.use_suite_timing(args.suite)
     if args.worker:
-        worker()
+        S.serve(run_spec, machine_info)
         return 0
-    names = args.spec or [s.name for kind in ("attention", "build") for s in S.suite(args.suite)[kind]]
-    records = [machine_info()]
-    for i, name in enumerate(names, 1):
-        print(f"[{i}/{len(names)}] {name}", file=sys.stderr, flush=True)
-        records += run_spec(name)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-    from benchmarks.run import render_markdown
-
-    print(render_markdown(records, command=" ".join([os.path.basename(sys.executable), *sys.argv])))
-    return 0
+    return S.run_standalone(args, run_spec, machine_info)
 
 
 if __name__ == "__main__":
