@@ -10,7 +10,6 @@ several runs, and written as one JSON line. Usually driven by ``python -m benchm
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import resource
@@ -237,12 +236,7 @@ def machine_info() -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="full", help="ci or full (default full)")
-    p.add_argument("--spec", action="append", help="run only these spec names (repeatable)")
-    p.add_argument("--out", help="append JSON lines to this file")
-    p.add_argument("--worker", action="store_true", help="serve spec names from stdin (for benchmarks.run)")
-    p.add_argument("--memory", metavar="NAME", help="run one memory spec in this process and print its record")
+    p = S.arg_parser(__doc__, memory=True)
     args = p.parse_args(argv)
     S.use_suite_timing(args.suite)
     if args.worker:

@@ -262,6 +262,20 @@ def serve(run_spec: Callable[[str], list], machine_info: Callable[[], dict]) -> 
         emit({"kind": "done", "spec": name})
 
 
+def arg_parser(doc: str, *, memory: bool = False):
+    """The command line both sides take (and benchmarks.run passes to workers)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="full", help="ci or full (default full)")
+    p.add_argument("--spec", action="append", help="run only these spec names (repeatable)")
+    p.add_argument("--out", help="append JSON lines to this file")
+    p.add_argument("--worker", action="store_true", help="serve spec names from stdin (for benchmarks.run)")
+    if memory:
+        p.add_argument("--memory", metavar="NAME", help="run one memory spec in this process and print its record")
+    return p
+
+
 def run_standalone(args, run_spec: Callable[[str], list], machine_info: Callable[[], dict]) -> int:
     """One side run on its own: the named specs (default: the suite's), a markdown table
     on stdout and, with ``args.out``, JSON lines appended to that file."""

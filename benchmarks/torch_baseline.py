@@ -9,7 +9,6 @@ by ``python -m benchmarks.run --torch``; on its own:
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -197,11 +196,7 @@ def machine_info() -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="full", help="ci or full (default full)")
-    p.add_argument("--spec", action="append", help="run only these spec names (repeatable)")
-    p.add_argument("--out", help="append JSON lines to this file")
-    p.add_argument("--worker", action="store_true", help="serve spec names from stdin (for benchmarks.run)")
+    p = S.arg_parser(__doc__)
     args = p.parse_args(argv)
     S.use_suite_timing(args.suite)
     if args.worker:

@@ -244,14 +244,13 @@ def test_hook_is_a_no_op_without_specs_and_inside_shard_map():
     assert seen == [NotImplemented]
 
 
-def test_flexjax_flex_attention_is_sharded_when_hooked():
-    """With the hook in flexjax/_api.py, plain flexjax.flex_attention shards too."""
+def test_flexjax_flex_attention_is_sharded():
+    """Through the hook in flexjax/_api.py, plain flexjax.flex_attention shards too."""
     mesh = _mesh("data_context")
     q, k, v, *_ = _inputs(H)
     with jax.set_mesh(mesh), attention_specs(("data", "context", None, None), ("data", None, None, None)):
         jaxpr = str(jax.make_jaxpr(flexjax.flex_attention)(q, k, v))
-    if "shard_map" not in jaxpr:
-        pytest.skip("flexjax.flex_attention does not call flexjax.sharding's hook yet")
+    assert "shard_map" in jaxpr
     with jax.set_mesh(mesh), attention_specs(("data", "context", None, None), ("data", None, None, None)):
         out = jax.jit(flexjax.flex_attention)(q, k, v)
     assert out.sharding.spec == P("data", "context", None, None)
