@@ -204,8 +204,19 @@ def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists):
 
 
 def _attention_fwd(backend_name, spec, q, k, v, score_consts, mask_consts, lists):
+    # symbolic_zeros=True: each argument arrives as CustomVJPPrimal(value, perturbed).
+    # Which captured arrays are differentiated is known now, statically; () / None in the
+    # residuals carry it to the backward, which then skips the others' gradients (for a
+    # bias table, a scatter per tile).
+    wants = tuple(() if p.perturbed else None for p in score_consts)
+    q, k, v, score_consts, mask_consts, lists = jax.tree.map(
+        lambda p: p.value, (q, k, v, score_consts, mask_consts, lists), is_leaf=_is_primal)
     out, lse = get_backend(backend_name).forward(spec, q, k, v, score_consts, mask_consts, lists)
-    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists)
+    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists, wants)
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
 def _zero_cotangent(x):
@@ -214,17 +225,22 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
+def _instantiate(ct, like):
+    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return ct
+
+
 def _attention_bwd(backend_name, spec, res, cts):
-    q, k, v, out, lse, score_consts, mask_consts, lists = res
-    dout, dlse = cts
+    q, k, v, out, lse, score_consts, mask_consts, lists, wants = res
+    dout, dlse = _instantiate(cts[0], out), _instantiate(cts[1], lse)
+    grad_consts = tuple(w is not None and jnp.issubdtype(c.dtype, jnp.inexact)
+                        for w, c in zip(wants, score_consts))
     dq, dk, dv, dscore = get_backend(backend_name).backward(
-        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists)
-    dscore = tuple(
-        d if jnp.issubdtype(c.dtype, jnp.inexact) else _zero_cotangent(c)
-        for c, d in zip(score_consts, dscore)
-    )
+        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=grad_consts)
+    dscore = tuple(d if want else _zero_cotangent(c) for c, d, want in zip(score_consts, dscore, grad_consts))
     return (dq, dk, dv, dscore, tuple(_zero_cotangent(c) for c in mask_consts),
             tuple(_zero_cotangent(x) for x in lists))
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -44,8 +44,10 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
     return _dense(spec, q, k, v, score_consts, mask_consts)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists):
-    float_idx = [i for i, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None):
+    if grad_consts is None:
+        grad_consts = tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in score_consts)
+    float_idx = [i for i, want in enumerate(grad_consts) if want]
 
     def f(q, k, v, float_consts):
         consts = list(score_consts)

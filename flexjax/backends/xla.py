@@ -270,7 +270,8 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
 
 # -- backward ------------------------------------------------------------------------------
 
-def _bwd_core(spec, g, score_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, lse, delta, lists, b_ids, h_ids):
+def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, lse, delta, lists,
+              b_ids, h_ids):
     """dq, dk, dv and score-const gradients for one group of rows sharing tile lists.
 
     qt, dot: (Bs, Hs, Gs, Sq_pad, D / Dv) and their transposes qT, doT (Bs, Hs, Gs, D / Dv,
@@ -280,7 +281,7 @@ def _bwd_core(spec, g, score_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, 
     carried array. Sequential, so deterministic.
     """
     q_n, q_i, fq_n, fq_i = lists[4:]
-    float_idx = [n for n, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+    float_idx = [n for n, want in enumerate(grad_consts) if want]
     lead = qt.shape[:3]
     n_rows = lead[0] * lead[1]
     d, dv_dim = qt.shape[-1], dot.shape[-1]
@@ -461,7 +462,11 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
     return out, lse
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None):
+    """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``
+    (default: every float one); None for the others."""
+    if grad_consts is None:
+        grad_consts = tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in score_consts)
     g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
     B, Sq, Hq, D = q.shape
     hkv = k.shape[2]
@@ -478,10 +483,10 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
     lse_t = jnp.pad(lse.reshape(B, hkv, Hq // hkv, Sq), pad_rows, constant_values=-jnp.inf)
     delta_t = jnp.pad(delta.reshape(B, hkv, Hq // hkv, Sq), pad_rows)
-    float_idx = [n for n, c in enumerate(score_consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+    float_idx = [n for n, want in enumerate(grad_consts) if want]
 
     def core(qt_, kv, qrows, lists_, b_, h_):
-        dq, dkT, dvT, dconsts = _bwd_core(spec, g, score_consts, mask_consts, qt_, *kv, *qrows,
+        dq, dkT, dvT, dconsts = _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt_, *kv, *qrows,
                                           tuple(x[0, 0, 0] for x in lists_), b_, h_)
         return (dq,), (dkT, dvT), dconsts
 

@@ -205,7 +205,7 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
     return out[:, :Sq, :, : v.shape[-1]], lse[:, :, :Sq, 0]
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None):
     o = _resolve(spec, q.shape[-1])
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
@@ -222,5 +222,9 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     dq, dk, dv, d_rows, d_cols, d_arrays = _template(o).backward(
         g, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
         target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages)
-    dscore = score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays)
+    # The kernels produce every float array's partial gradients; pulling them back to the
+    # captured arrays is skipped when none is differentiated.
+    wanted = grad_consts is None or any(grad_consts)
+    dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if wanted
+              else tuple(None for _ in score_consts))
     return (dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore)
