@@ -62,10 +62,6 @@ class TracedMod:
     def name(self) -> str:
         return mod_name(self.fn)
 
-    @property
-    def arg_names(self) -> tuple[str, ...]:
-        return SCORE_ARGS if self.kind == "score" else MASK_ARGS
-
     def static(self) -> StaticMod:
         """The hashable part (no arrays), for jit static arguments and pytree aux data."""
         return StaticMod(self.kind, self.fn, self.jaxpr, self.uses, len(self.consts))

@@ -22,7 +22,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._api import _check_block_mask, _check_qkv
+from .._api import _check_block_mask, _check_qkv, _zero_cotangent
 from .._api import flex_attention as _flex_attention
 from .._block_mask import EMPTY, BlockMask
 from .._trace import StaticMod, trace_mod
@@ -234,12 +234,6 @@ def _ring_forward(plan: _Plan, q, k, v, score_consts, mask_consts, states):
     out, lse, kv = jax.lax.fori_loop(0, plan.n - 1, step, init)
     out, lse = _merge(out, lse, *attend(kv, plan.n - 1))
     return out.astype(q.dtype), lse
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
