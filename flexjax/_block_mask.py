@@ -145,7 +145,7 @@ class BlockMask:
         self.seq_lengths = tuple(seq_lengths)
         self.block_size = tuple(block_size)
         self.mask = mask
-        self.kv_band = kv_band if kv_band is not None else _kv_band(self)
+        self.kv_band = kv_band
 
     # -- pytree -------------------------------------------------------------------------
     def tree_flatten(self):
@@ -276,6 +276,12 @@ class BlockMask:
         return BlockMask.tree_unflatten(aux, [take(c) for c in children[:8]] + [children[8]])
 
 
+def _with_kv_band(bm: BlockMask) -> BlockMask:
+    """``bm`` with its static kv_band filled in, when its lists are concrete."""
+    bm.kv_band = _kv_band(bm)
+    return bm
+
+
 def _kv_band(bm: BlockMask) -> int | None:
     """Widest (last - first + 1) non-empty kv block range of any q block, in positions.
 
@@ -360,7 +366,7 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     if mask_mod is None:
         return full_block_mask(B, H, Q_LEN, KV_LEN, block_size=(bq, bkv))
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
-    return _build_jit(traced.static(), traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv)
+    return _with_kv_band(_build_jit(traced.static(), traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv))
 
 
 def full_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, *, block_size=(128, 128)) -> BlockMask:
@@ -371,8 +377,8 @@ def full_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, *, block_size=(128,
     kv_full = (jnp.arange(nkv) + 1) * bkv <= KV_LEN
     states = jnp.where(q_full[:, None] & kv_full[None, :], FULL, PARTIAL).astype(jnp.int8)
     states = jnp.broadcast_to(states, (B, H, nq, nkv))
-    return BlockMask.from_states(states, (), seq_lengths=(Q_LEN, KV_LEN), block_size=(bq, bkv),
-                                 mask=None)
+    return _with_kv_band(BlockMask.from_states(states, (), seq_lengths=(Q_LEN, KV_LEN),
+                                               block_size=(bq, bkv), mask=None))
 
 
 def create_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int) -> jax.Array:
