@@ -224,9 +224,8 @@ def run_spec(name: str) -> list[dict]:
         if isinstance(spec, S.MemorySpec):
             return run_memory(spec)
         return run_attention(spec)
-    except Exception as e:  # a failing spec is a result too; the others still run
-        return [{"kind": "error", "side": "jax", "spec": name, "status": "error",
-                 "note": f"{type(e).__name__}: {e}"[:500]}]
+    except Exception as e:
+        return [S.error_record("jax", name, e)]
 
 
 def machine_info() -> dict:

@@ -249,6 +249,11 @@ def emit(rec: dict, stream=None) -> None:
     stream.flush()
 
 
+def error_record(side: str, name: str, e: Exception) -> dict:
+    """A failing spec is a result too (the others still run)."""
+    return {"kind": "error", "side": side, "spec": name, "status": "error", "note": f"{type(e).__name__}: {e}"[:500]}
+
+
 def serve(run_spec: Callable[[str], list], machine_info: Callable[[], dict]) -> None:
     """Worker loop: reads spec names from stdin, one a line; answers each with its
     records, then a "done" record."""

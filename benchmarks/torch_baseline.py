@@ -185,9 +185,8 @@ def run_spec(name: str) -> list[dict]:
         if isinstance(spec, S.BuildSpec):
             return run_build(spec)
         return run_attention(spec)
-    except Exception as e:  # a failing spec is a result too; the others still run
-        return [{"kind": "error", "side": "torch", "spec": name, "status": "error",
-                 "note": f"{type(e).__name__}: {e}"[:500]}]
+    except Exception as e:
+        return [S.error_record("torch", name, e)]
 
 
 def machine_info() -> dict:

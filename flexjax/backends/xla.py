@@ -353,49 +353,35 @@ def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, d
 
 # -- batching over rows whose tile lists differ -------------------------------------------
 
-def _over_g(f):
-    """vmaps ``f`` over query heads within a kv group (k/v are not batched)."""
+def _vmap_group_axis(f, q_axis: int, kv_axis: int | None, b_axis: int | None, h_axis: int | None):
+    """vmaps ``f`` over one (batch / kv-head / query-head) axis of the row groups.
+
+    ``f`` keeps seeing that axis with size 1 (it is re-inserted around the call). Axes:
+    ``q_axis`` of qt, the per-query-row arrays and the lists; ``kv_axis`` of the k/v
+    arrays (None: k/v are shared, e.g. the query heads of one kv head, and their
+    outputs are summed over the vmapped axis); ``b_axis`` / ``h_axis`` of b_ids / h_ids.
+    Global outputs (captured-array gradients) are summed over the vmapped axis.
+    """
+
+    def ex(x, axis):
+        return x if axis is None else jnp.expand_dims(x, axis)
+
+    def sq(x, axis):
+        return x if axis is None else jnp.squeeze(x, axis)
 
     def inner(qt, kv, qrows, lists, b_ids, h_ids):
-        qo, kvo, go = f(qt[:, :, None], kv, tuple(x[:, :, None] for x in qrows),
-                        tuple(x[:, :, None] for x in lists), b_ids, h_ids[:, None])
-        return tuple(x[:, :, 0] for x in qo), kvo, go
+        qo, kvo, go = f(ex(qt, q_axis), tuple(ex(x, kv_axis) for x in kv), tuple(ex(x, q_axis) for x in qrows),
+                        tuple(ex(x, q_axis) for x in lists), ex(b_ids, b_axis), ex(h_ids, h_axis))
+        return tuple(sq(x, q_axis) for x in qo), tuple(sq(x, kv_axis) for x in kvo), go
 
-    vm = jax.vmap(inner, in_axes=(2, None, 2, 2, None, 1), out_axes=(2, 0, 0))
+    vm = jax.vmap(inner, in_axes=(q_axis, kv_axis, q_axis, q_axis, b_axis, h_axis),
+                  out_axes=(q_axis, 0 if kv_axis is None else kv_axis, 0))
 
     def outer(*args):
         qo, kvo, go = vm(*args)
-        # dK/dV of a kv head sum over its query heads.
-        return qo, tuple(x.sum(0) for x in kvo), tuple(x.sum(0) for x in go)
-
-    return outer
-
-
-def _over_hkv(f):
-    def inner(qt, kv, qrows, lists, b_ids, h_ids):
-        qo, kvo, go = f(qt[:, None], tuple(x[:, None] for x in kv), tuple(x[:, None] for x in qrows),
-                        tuple(x[:, None] for x in lists), b_ids, h_ids[None])
-        return tuple(x[:, 0] for x in qo), tuple(x[:, 0] for x in kvo), go
-
-    vm = jax.vmap(inner, in_axes=(1, 1, 1, 1, None, 0), out_axes=(1, 1, 0))
-
-    def outer(*args):
-        qo, kvo, go = vm(*args)
-        return qo, kvo, tuple(x.sum(0) for x in go)
-
-    return outer
-
-
-def _over_b(f):
-    def inner(qt, kv, qrows, lists, b_ids, h_ids):
-        qo, kvo, go = f(qt[None], tuple(x[None] for x in kv), tuple(x[None] for x in qrows),
-                        tuple(x[None] for x in lists), b_ids[None], h_ids)
-        return tuple(x[0] for x in qo), tuple(x[0] for x in kvo), go
-
-    vm = jax.vmap(inner, in_axes=(0, 0, 0, 0, 0, None), out_axes=(0, 0, 0))
-
-    def outer(*args):
-        qo, kvo, go = vm(*args)
+        if kv_axis is None:
+            # dK/dV of a kv head sum over its query heads.
+            kvo = tuple(x.sum(0) for x in kvo)
         return qo, kvo, tuple(x.sum(0) for x in go)
 
     return outer
@@ -412,9 +398,11 @@ def _run_groups(core, batch_shared, head_shared, qt, kv, qrows, lists, b_ids, h_
     """
     f = core
     if not head_shared:
-        f = _over_hkv(_over_g(f))
+        # Query heads within a kv group (k/v shared), then kv heads.
+        f = _vmap_group_axis(f, q_axis=2, kv_axis=None, b_axis=None, h_axis=1)
+        f = _vmap_group_axis(f, q_axis=1, kv_axis=1, b_axis=None, h_axis=0)
     if not batch_shared:
-        f = _over_b(f)
+        f = _vmap_group_axis(f, q_axis=0, kv_axis=0, b_axis=0, h_axis=None)
     return f(qt, kv, qrows, lists, b_ids, h_ids)
 
 
