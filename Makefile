@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench lint clean
+.PHONY: demo test test-all test-compile bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,22 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
+
+# AOT compile suite (tests_compile/): its own venv, since the CUDA plugin it installs logs an
+# error at every `import jax` on a host without a GPU, which `make test` must not see.
+CVENV := build/venv-compile
+CPY := $(CVENV)/bin/python
+CSTAMP := $(CVENV)/.installed
+COMPILE_JOBS ?= 2
+
+$(CSTAMP): pyproject.toml
+	test -x $(CPY) || $(PYTHON) -m venv $(CVENV)
+	$(CPY) -m pip install -q --upgrade pip
+	$(CPY) -m pip install -q -e '.[compile]'
+	touch $(CSTAMP)
+
+test-compile: $(CSTAMP)
+	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

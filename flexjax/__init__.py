@@ -2,6 +2,7 @@
 
 from . import masks as masks
 from . import mods as mods
+from . import sharding as sharding
 from ._api import flex_attention as flex_attention
 from ._block_mask import BlockMask as BlockMask
 from ._block_mask import and_masks as and_masks
@@ -22,4 +23,5 @@ __all__ = [
     "mods",
     "noop_mask",
     "or_masks",
+    "sharding",
 ]

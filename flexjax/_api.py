@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._block_mask import BlockMask, full_block_mask
+from ._block_mask import BlockMask, check_broadcast, full_block_mask
 from ._trace import StaticMod, trace_mod
-from .backends import get_backend, platform_backends
+from .backends import available_backends, get_backend, kernel_option_names, platform_backends
+from .backends._common import acc_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,8 @@ def _check_qkv(query, key, value):
                 "flexjax uses the layout of jax.nn.dot_product_attention"
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+            raise TypeError(f"{name} must be float32, bfloat16, float16 (or float64 with jax_enable_x64), "
+                            f"got {x.dtype}")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}; cast them to one"
@@ -85,26 +87,37 @@ def _check_qkv(query, key, value):
             raise ValueError(f"{name} has a zero-sized dimension; shapes {query.shape}, {key.shape}, {value.shape}")
 
 
-def _check_block_mask(block_mask, B, Hq, Sq, Skv):
+def _check_block_mask(block_mask, query_shape, Skv):
+    B, Sq, Hq, _ = query_shape
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             f"block_mask must be a BlockMask from flexjax.create_block_mask, got {type(block_mask).__name__}"
         )
     Bm, Hm, Qm, KVm = block_mask.shape
     if (Qm, KVm) != (Sq, Skv):
-        raise ValueError(
-            f"block_mask was built for Q_LEN={Qm}, KV_LEN={KVm} but query has {Sq} tokens and key has {Skv}; "
-            f"rebuild it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})"
-        )
+        msg = (f"block_mask was built for Q_LEN={Qm}, KV_LEN={KVm} but query has {Sq} tokens and key has {Skv}; "
+               f"rebuild it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})")
+        if Qm == query_shape[2]:
+            # The usual first symptom of PyTorch's (batch, heads, seq, head_dim) layout.
+            msg += (f". The query's axis 2 has {Qm} entries, the mask's Q_LEN: flexjax's layout is "
+                    "(batch, seq, heads, head_dim), as jax.nn.dot_product_attention; if your arrays are "
+                    "(batch, heads, seq, head_dim), pass jnp.swapaxes(x, 1, 2) for query, key and value")
+        raise ValueError(msg)
     if Bm not in (1, B):
         raise ValueError(f"block_mask was built for B={Bm} but query has batch {B}; rebuild it with B={B} or B=None")
     if Hm not in (1, Hq):
         raise ValueError(
             f"block_mask was built for H={Hm} but query has {Hq} heads; rebuild it with H={Hq} or H=None"
         )
+    check_broadcast(block_mask.mask, Bm, Hm, data_shape=(B, Hq))
 
 
-def _options_tuple(kernel_options) -> tuple:
+def _options_tuple(kernel_options, backend) -> tuple:
+    """``kernel_options`` as a sorted tuple, after checking every key against the backends.
+
+    A key no backend takes (a typo) and a key the chosen backend(s) do not take are
+    ValueErrors naming the keys of every backend.
+    """
     if kernel_options is None:
         return ()
     if not isinstance(kernel_options, dict):
@@ -112,7 +125,34 @@ def _options_tuple(kernel_options) -> tuple:
     for k in kernel_options:
         if not isinstance(k, str):
             raise TypeError(f"kernel_options keys must be strings, got {k!r}")
+    known = {name: kernel_option_names(name) for name in available_backends()}
+    listing = "; ".join(f"{name}: {', '.join(keys) if keys else '(none)'}" for name, keys in known.items())
+    candidates = platform_backends() if backend is None else (get_backend(backend).NAME,)
+    for k in sorted(kernel_options):
+        takers = [name for name, keys in known.items() if k in keys]
+        if not takers:
+            raise ValueError(f"unknown kernel_options key {k!r}; the backends take {listing}")
+        if not any(name in takers for name in candidates):
+            chosen = f"backend={backend!r}" if backend is not None else (
+                f"backend=None (which picks from {list(candidates)} on {jax.default_backend()})")
+            raise ValueError(
+                f"kernel_options key {k!r} is taken by backend {' and '.join(map(repr, takers))}, not by {chosen}; "
+                f"pass backend={takers[0]!r} or drop the key. The backends take {listing}")
     return tuple(sorted(kernel_options.items()))
+
+
+# flexjax.sharding, a layer above this module, installs its dispatch here when it is
+# imported (flexjax/__init__.py imports it): under `attention_specs(...)`, or for q/k/v
+# sharded over Explicit mesh axes, it returns the sharded result; else NotImplemented.
+# Importing it lazily from inside a trace would add a jit tracing-context value
+# mid-trace, and the first jitted caller would compile twice.
+_sharded_dispatch: Callable[..., Any] | None = None
+
+
+def register_sharded_dispatch(dispatch: Callable[..., Any]) -> None:
+    """Installs ``dispatch`` as the first step of every ``flex_attention`` call."""
+    global _sharded_dispatch
+    _sharded_dispatch = dispatch
 
 
 def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -125,6 +165,11 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     q_idx, kv_idx)``, masked pairs excluded, softmax over keys, times V. A row with no
     allowed key gives output 0 and lse ``-inf``.
 
+    Inside ``flexjax.sharding.attention_specs`` the call is split over the mesh as the
+    specs say (context parallelism). Elsewhere, q/k/v sharded over Explicit mesh axes
+    along batch or heads are computed shard by shard, with no communication, and the
+    output is sharded like the query; a sharded sequence axis needs ``attention_specs``.
+
     Args:
       query: (batch, q_len, q_heads, head_dim).
       key: (batch, kv_len, kv_heads, head_dim); ``q_heads % kv_heads == 0`` (GQA/MQA).
@@ -132,7 +177,8 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` or None.
       block_mask: from ``create_block_mask`` for these lengths, or None (attend everywhere).
       scale: factor on q·k; default ``1/sqrt(head_dim)``.
-      return_lse: also return the log-sum-exp, float32 (batch, q_heads, q_len).
+      return_lse: also return the log-sum-exp, float32 (float64 for float64 inputs),
+        (batch, q_heads, q_len).
       backend: "xla", "reference" (dense, for tests), "pallas"; None picks for the platform.
       kernel_options: backend options (tile sizes etc.; see each backend's KernelOptions).
 
@@ -140,14 +186,11 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       Output (batch, q_len, q_heads, v_head_dim) in the query's dtype, or ``(out, lse)``.
     """
     _check_qkv(query, key, value)
-    # Inside `flexjax.sharding.attention_specs(...)` the call is split over the mesh;
-    # elsewhere (and on each shard) this returns NotImplemented.
-    from .sharding import _maybe_sharded_attention  # flexjax.sharding imports this module
-
-    sharded = _maybe_sharded_attention(query, key, value, score_mod, block_mask, scale=scale,
-                                       return_lse=return_lse, backend=backend, kernel_options=kernel_options)
-    if sharded is not NotImplemented:
-        return sharded
+    if _sharded_dispatch is not None:
+        sharded = _sharded_dispatch(query, key, value, score_mod, block_mask, scale=scale,
+                                    return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+        if sharded is not NotImplemented:
+            return sharded
     B, Sq, Hq, D = query.shape
     Skv = key.shape[1]
     if scale is None:
@@ -158,15 +201,15 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if block_mask is None:
         block_mask = full_block_mask(1, 1, Sq, Skv)
-    _check_block_mask(block_mask, B, Hq, Sq, Skv)
+    _check_block_mask(block_mask, query.shape, Skv)
     score = None
     score_consts: tuple = ()
     if score_mod is not None:
-        traced = trace_mod(score_mod, "score", arg_name="score_mod")
+        traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(query.dtype))
         score, score_consts = traced.static(), traced.consts
     spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
                          kv_len=Skv, block_size=block_mask.block_size,
-                         kernel_options=_options_tuple(kernel_options),
+                         kernel_options=_options_tuple(kernel_options, backend),
                          kv_band=block_mask.kv_band)
     impl = _choose_backend(backend, spec, query, key, value)
     lists = block_mask.tree_flatten()[0][:8]
@@ -211,8 +254,15 @@ def _attention_fwd(backend_name, spec, q, k, v, score_consts, mask_consts, lists
     wants = tuple(() if p.perturbed else None for p in score_consts)
     q, k, v, score_consts, mask_consts, lists = jax.tree.map(
         lambda p: p.value, (q, k, v, score_consts, mask_consts, lists), is_leaf=_is_primal)
-    out, lse = get_backend(backend_name).forward(spec, q, k, v, score_consts, mask_consts, lists)
-    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists, wants)
+    impl = get_backend(backend_name)
+    # A backend may save more than lse for its backward (the xla backend keeps the row max
+    # and log-sum apart, since lse alone loses log(l) on rows with scores near finfo.min).
+    forward = getattr(impl, "forward_with_residuals", None)
+    if forward is None:
+        (out, lse), extra = impl.forward(spec, q, k, v, score_consts, mask_consts, lists), None
+    else:
+        out, lse, extra = forward(spec, q, k, v, score_consts, mask_consts, lists)
+    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists, wants, extra)
 
 
 def _is_primal(x) -> bool:
@@ -232,12 +282,13 @@ def _instantiate(ct, like):
 
 
 def _attention_bwd(backend_name, spec, res, cts):
-    q, k, v, out, lse, score_consts, mask_consts, lists, wants = res
+    q, k, v, out, lse, score_consts, mask_consts, lists, wants, extra = res
     dout, dlse = _instantiate(cts[0], out), _instantiate(cts[1], lse)
     grad_consts = tuple(w is not None and jnp.issubdtype(c.dtype, jnp.inexact)
                         for w, c in zip(wants, score_consts))
+    residuals = {} if extra is None else {"residuals": extra}
     dq, dk, dv, dscore = get_backend(backend_name).backward(
-        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=grad_consts)
+        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=grad_consts, **residuals)
     dscore = tuple(d if want else _zero_cotangent(c) for c, d, want in zip(score_consts, dscore, grad_consts))
     return (dq, dk, dv, dscore, tuple(_zero_cotangent(c) for c in mask_consts),
             tuple(_zero_cotangent(x) for x in lists))

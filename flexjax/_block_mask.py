@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._factory import named
 from ._trace import StaticMod, mod_name, trace_mod
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -23,31 +25,31 @@ def noop_mask(b, h, q_idx, kv_idx):
     return jnp.full(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), True)
 
 
-def _combine(mods: Sequence[Callable], op, word: str) -> Callable:
+def _combined(b, h, q_idx, kv_idx, *, mods, word):
+    op = jnp.logical_and if word == "and" else jnp.logical_or
+    out = mods[0](b, h, q_idx, kv_idx)
+    for m in mods[1:]:
+        out = op(out, m(b, h, q_idx, kv_idx))
+    return out
+
+
+def _combine(mods: Sequence[Callable], word: str) -> Callable:
     if not mods:
         raise ValueError(f"{word}_masks needs at least one mask_mod, got none")
     for m in mods:
         if not callable(m):
             raise TypeError(f"{word}_masks takes mask_mod callables, got {type(m).__name__}")
-
-    def combined(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
-            out = op(out, m(b, h, q_idx, kv_idx))
-        return out
-
-    combined.__name__ = f"{word}_masks({', '.join(mod_name(m) for m in mods)})"
-    return combined
+    return named(_combined, f"{word}_masks({', '.join(mod_name(m) for m in mods)})", mods=tuple(mods), word=word)
 
 
 def and_masks(*mask_mods: Callable) -> Callable:
     """A mask_mod that attends where every one of ``mask_mods`` does."""
-    return _combine(mask_mods, jnp.logical_and, "and")
+    return _combine(mask_mods, "and")
 
 
 def or_masks(*mask_mods: Callable) -> Callable:
     """A mask_mod that attends where any one of ``mask_mods`` does."""
-    return _combine(mask_mods, jnp.logical_or, "or")
+    return _combine(mask_mods, "or")
 
 
 def _check_dim(name: str, value, allow_none: bool) -> int:
@@ -213,6 +215,8 @@ class BlockMask:
         Larger grids are shown coarsened to ``grid_size`` (a cell shows its most
         computed tile). At most ``limit`` (b, h) pairs are drawn.
         """
+        if self._is_traced():
+            return f"{self!r}\n(the tile lists are traced inside jit: call to_string() outside jit to see them)"
         states = np.asarray(self.block_states())
         B, H, nq, nkv = states.shape
         fq, fkv = math.ceil(nq / grid_size[0]), math.ceil(nkv / grid_size[1])
@@ -246,12 +250,14 @@ class BlockMask:
     def __str__(self) -> str:
         return self.to_string()
 
+    def _is_traced(self) -> bool:
+        """Whether the tile lists are abstract (inside jit), so only static facts are known."""
+        return any(isinstance(x, jax.core.Tracer) or not isinstance(x, (jax.Array, np.ndarray))
+                   for x in self.tree_flatten()[0][:8])
+
     def __repr__(self) -> str:
         B, H, Q, KV = self.shape
-        try:
-            sp = f"{self.sparsity():.2f}%"
-        except jax.errors.ConcretizationTypeError:
-            sp = "traced"
+        sp = "traced" if self._is_traced() else f"{self.sparsity():.2f}%"
         name = self.mask.name if self.mask is not None else "noop_mask"
         return (f"BlockMask(shape=({B}, {H}, {Q}, {KV}), block_size={self.block_size}, "
                 f"sparsity={sp}, mask_mod={name})")
@@ -274,6 +280,30 @@ class BlockMask:
 
         children, aux = self.tree_flatten()
         return BlockMask.tree_unflatten(aux, [take(c) for c in children[:8]] + [children[8]])
+
+
+def _serialize_aux(aux) -> bytes:
+    """A BlockMask's static data (lengths, block size, mask_mod, kv_band) as bytes, for jax.export.
+
+    The mask_mod is stored as its callable (traced again when loaded): by cloudpickle
+    when it is installed, which stores lambdas and closures too, else by pickle.
+    """
+    try:
+        import cloudpickle
+    except ImportError:
+        try:
+            return pickle.dumps(aux)
+        except (pickle.PicklingError, AttributeError) as e:
+            raise TypeError(
+                f"cannot serialize the BlockMask's mask_mod {aux[2].name!r} for jax.export: pickle stores only "
+                "module-level functions and flexjax's factories; install cloudpickle (pip install "
+                "'flexjax[export]') to store lambdas and closures") from e
+    return cloudpickle.dumps(aux)
+
+
+jax.export.register_pytree_node_serialization(
+    BlockMask, serialized_name="flexjax.BlockMask", serialize_auxdata=_serialize_aux,
+    deserialize_auxdata=pickle.loads)
 
 
 def _with_kv_band(bm: BlockMask) -> BlockMask:
@@ -332,13 +362,22 @@ def _build_states(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv):
     return jnp.broadcast_to(states, (B, H, nq, nkv))
 
 
-def _build(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv) -> BlockMask:
-    states = _build_states(mask, consts, B, H, q_len, kv_len, bq, bkv)
-    return BlockMask.from_states(states, consts, seq_lengths=(q_len, kv_len),
-                                 block_size=(bq, bkv), mask=mask)
+def _build_lists(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv) -> tuple[jax.Array, ...]:
+    return lists_from_states(_build_states(mask, consts, B, H, q_len, kv_len, bq, bkv))
 
 
-_build_jit = jax.jit(_build, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+_build_lists_jit = jax.jit(_build_lists, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+
+
+def _build_jit(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv) -> BlockMask:
+    """The BlockMask of ``mask``, its tile lists computed under jit.
+
+    It is assembled outside jit to keep this call's ``mask``: on a cache hit jit hands
+    back the first trace's static outputs, a StaticMod whose mod may close over that
+    trace's tracers (and then cannot be pickled).
+    """
+    lists = _build_lists_jit(mask, consts, B, H, q_len, kv_len, bq, bkv)
+    return BlockMask(*lists, consts, seq_lengths=(q_len, kv_len), block_size=(bq, bkv), mask=mask)
 
 
 def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q_LEN: int,
@@ -351,13 +390,15 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     Args:
       mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), or None for
         full attention.
-      B, H: batch size and number of query heads, or None to broadcast over that axis.
+      B, H: batch size and number of query heads, or None to broadcast over that axis
+        (only allowed when the mask_mod does not read ``b`` / ``h``).
       Q_LEN, KV_LEN: sequence lengths (any positive ints).
       block_size: tile size, an int or ``(block_q, block_kv)``.
 
     Returns:
       A BlockMask (a pytree) for ``flex_attention(..., block_mask=...)``.
     """
+    B_arg, H_arg = B, H
     B = _check_dim("B", B, allow_none=True)
     H = _check_dim("H", H, allow_none=True)
     Q_LEN = _check_dim("Q_LEN", Q_LEN, allow_none=False)
@@ -366,7 +407,34 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     if mask_mod is None:
         return full_block_mask(B, H, Q_LEN, KV_LEN, block_size=(bq, bkv))
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
+    check_broadcast(traced.static(), B_arg, H_arg)
     return _with_kv_band(_build_jit(traced.static(), traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv))
+
+
+def check_broadcast(mask: StaticMod | None, B, H, *, data_shape: tuple[int, int] | None = None) -> None:
+    """Raises when a BlockMask broadcasts over an axis its mask_mod reads.
+
+    A mask_mod that reads ``b`` evaluated at ``b = 0`` only gives every batch element
+    batch 0's tiles: a silent wrong answer. From ``create_block_mask``, ``B``/``H`` are
+    the arguments (None = broadcast); from ``flex_attention``, they are the BlockMask's
+    sizes and ``data_shape`` is the query's ``(batch, heads)``.
+    """
+    if mask is None:
+        return
+    for axis, name, size, what, count in (("b", "B", B, "batch element", "batch size"),
+                                          ("h", "H", H, "head", "number of query heads")):
+        if axis not in mask.uses:
+            continue
+        if data_shape is None and size is None:
+            raise ValueError(
+                f"mask_mod {mask.name!r} reads {axis}, so {name}=None would use {what} 0's mask for every "
+                f"{what}; pass {name}=<{count}> to create_block_mask")
+        wanted = None if data_shape is None else data_shape[0 if axis == "b" else 1]
+        if data_shape is not None and size == 1 and wanted > 1:
+            raise ValueError(
+                f"block_mask was built with {name}=1 (or None) but its mask_mod {mask.name!r} reads {axis} and the "
+                f"query has {count} {wanted}; {what} 0's mask would be used for every {what}: rebuild it with "
+                f"create_block_mask(..., {name}={wanted})")
 
 
 def full_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, *, block_size=(128, 128)) -> BlockMask:

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-_F32 = jax.ShapeDtypeStruct((), jnp.float32)
 _I32 = jax.ShapeDtypeStruct((), jnp.int32)
 
 #: Names of the mod arguments, in order, for error messages.
@@ -64,7 +63,12 @@ class TracedMod:
 
     def static(self) -> StaticMod:
         """The hashable part (no arrays), for jit static arguments and pytree aux data."""
-        return StaticMod(self.kind, self.fn, self.jaxpr, self.uses, len(self.consts))
+        traced = any(isinstance(c, jax.core.Tracer) for c in self.consts)
+        return StaticMod(self.kind, self.fn, self.jaxpr, self.uses, len(self.consts), traced)
+
+    def __reduce__(self):
+        traced = any(isinstance(c, jax.core.Tracer) for c in self.consts)
+        return _pickle_mod(self.kind, self.fn, self.jaxpr, len(self.consts), traced, static=False)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,7 +77,9 @@ class StaticMod:
 
     Two StaticMods are equal when their jaxprs print the same: re-tracing the same mod
     (or an equal one, e.g. ``sliding_window(256)`` built twice) then hits jit caches
-    instead of recompiling.
+    instead of recompiling. ``traced_consts`` says the mod closes over tracers (it was
+    traced inside ``jit``), so it cannot be pickled. A pickled StaticMod stores ``fn``
+    and is traced again when unpickled.
     """
 
     kind: str
@@ -81,6 +87,7 @@ class StaticMod:
     jaxpr: Any
     uses: frozenset
     num_consts: int
+    traced_consts: bool = dataclasses.field(default=False, compare=False)
     key: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -95,6 +102,9 @@ class StaticMod:
     @property
     def name(self) -> str:
         return mod_name(self.fn)
+
+    def __reduce__(self):
+        return _pickle_mod(self.kind, self.fn, self.jaxpr, self.num_consts, self.traced_consts, static=True)
 
     def __call__(self, consts: Sequence[jax.Array], *args):
         """Evaluate on broadcasting arguments; returns the broadcast shape of ``args``.
@@ -117,6 +127,36 @@ class StaticMod:
         return jnp.vectorize(scalar_fn)(*args)
 
 
+def _pickle_mod(kind: str, fn: Callable, jaxpr, num_consts: int, traced: bool, static: bool) -> tuple:
+    """``__reduce__`` of a traced mod: ``fn`` and what tracing it again must reproduce.
+
+    A jaxpr cannot be pickled, so the mod is traced again when unpickled; the avals of
+    its captured arrays (the BlockMask's ``mask_consts``) are stored to check that.
+    """
+    if traced:
+        raise TypeError(
+            f"cannot pickle {kind}_mod {mod_name(fn)!r}: it closes over arrays traced inside jit, which "
+            "exist only while that function traces (e.g. a BlockMask built inside jit and returned from it). "
+            "Pickle or export a BlockMask built outside jit from concrete arrays instead")
+    avals = [v.aval for v in jaxpr.invars]
+    const_avals = tuple((tuple(a.shape), a.dtype) for a in avals[:num_consts])
+    score_dtype = avals[num_consts].dtype if kind == "score" else None
+    return _unpickle_mod, (kind, fn, const_avals, score_dtype, static)
+
+
+def _unpickle_mod(kind: str, fn: Callable, const_avals: tuple, score_dtype, static: bool):
+    """Traces a pickled mod's ``fn`` again; raises if it captures other arrays than before."""
+    kwargs = {} if score_dtype is None else {"score_dtype": score_dtype}
+    traced = trace_mod(fn, kind, arg_name=f"{kind}_mod", **kwargs)
+    got = tuple((tuple(c.shape), c.dtype) for c in traced.consts)
+    if got != const_avals:
+        raise ValueError(
+            f"unpickling {kind}_mod {traced.name!r}: traced again it captures arrays of (shape, dtype) "
+            f"{got}, but it was pickled capturing {const_avals}; a mod must capture the same arrays, in the "
+            "same order, every time it is traced")
+    return traced.static() if static else traced
+
+
 def _constvar_jaxpr(closed) -> tuple[Any, tuple]:
     """Turns a ClosedJaxpr's consts into leading invars and returns (jaxpr, consts)."""
     jaxpr = closed.jaxpr
@@ -129,24 +169,28 @@ def _constvar_jaxpr(closed) -> tuple[Any, tuple]:
 
 
 def _used_args(jaxpr, names: Sequence[str], num_consts: int) -> frozenset:
-    used_vars = set()
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
-                used_vars.add(v)
-    for v in jaxpr.outvars:
-        if not isinstance(v, jex_core.Literal):
-            used_vars.add(v)
+    """The mod arguments the jaxpr's output depends on (dead reads do not count).
+
+    Mods are pure, so an equation none of whose outputs is live is dead: a mod that
+    computes ``b + offset`` and never uses it does not read ``b``.
+    """
+    live = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
     arg_vars = jaxpr.invars[num_consts:]
-    return frozenset(n for n, v in zip(names, arg_vars) if v in used_vars)
+    return frozenset(n for n, v in zip(names, arg_vars) if v in live)
 
 
-def trace_mod(fn: Callable, kind: str, *, arg_name: str) -> TracedMod:
+def trace_mod(fn: Callable, kind: str, *, arg_name: str, score_dtype=jnp.float32) -> TracedMod:
     """Traces ``fn`` as a score_mod (kind="score") or mask_mod (kind="mask").
 
+    A score_mod is traced with a ``score_dtype`` score (float32; float64 for float64
+    inputs) and returns that dtype.
+
     Raises:
-      TypeError: ``fn`` is not callable, takes the wrong number of arguments, or
-        returns the wrong shape or dtype.
+      TypeError: ``fn`` is not callable, takes the wrong number of arguments,
+        returns the wrong shape or dtype, or cannot be traced with scalar semantics.
     """
     expected = SCORE_ARGS if kind == "score" else MASK_ARGS
     if not callable(fn):
@@ -164,13 +208,29 @@ def trace_mod(fn: Callable, kind: str, *, arg_name: str) -> TracedMod:
                 else "Fix its signature."
             )
         )
-    avals = ((_F32,) if kind == "score" else ()) + (_I32,) * 4
+    score_aval = jax.ShapeDtypeStruct((), score_dtype)
+    avals = ((score_aval,) if kind == "score" else ()) + (_I32,) * 4
+    name = f"{arg_name} {mod_name(fn)!r}"
     try:
         closed = jax.make_jaxpr(fn)(*avals)
     except jax.errors.ConcretizationTypeError as e:
         raise TypeError(
-            f"{arg_name} {mod_name(fn)!r} uses Python control flow on its arguments; "
+            f"{name} uses Python control flow on its arguments; "
             f"use jnp.where instead of if/else (mods are traced once). Original error: {e}"
+        ) from e
+    except (jax.errors.TracerArrayConversionError, jax.errors.TracerIntegerConversionError) as e:
+        raise TypeError(
+            f"{name} turns a traced argument into a NumPy value, usually by indexing a closed-over "
+            "numpy array with q_idx / kv_idx / b / h; wrap the array in jnp.asarray(...) outside the "
+            f"mod so flexjax can capture it (mods are traced once, with abstract indices). Original error: {e}"
+        ) from e
+    except ValueError as e:
+        if "out of bounds for array of dimension 0" not in str(e):
+            raise
+        raise TypeError(
+            f"{name} reduces or indexes along an axis, but mods have scalar semantics: each call "
+            f"sees one ({', '.join(expected)}) as 0-d arrays, so there is no axis to reduce "
+            f"(e.g. jnp.any(x, axis=-1)); write the mod for one pair. Original error: {e}"
         ) from e
     out_avals = closed.out_avals
     if len(out_avals) != 1:
@@ -189,8 +249,8 @@ def trace_mod(fn: Callable, kind: str, *, arg_name: str) -> TracedMod:
         )
     if kind == "score" and not jnp.issubdtype(out.dtype, jnp.floating):
         raise TypeError(f"score_mod {mod_name(fn)!r} must return a floating score, got {out.dtype}")
-    if kind == "score" and out.dtype != jnp.float32:
-        closed = jax.make_jaxpr(lambda *a: fn(*a).astype(jnp.float32))(*avals)
+    if kind == "score" and out.dtype != score_dtype:
+        closed = jax.make_jaxpr(lambda *a: fn(*a).astype(score_dtype))(*avals)
     jaxpr, consts = _constvar_jaxpr(closed)
     uses = _used_args(jaxpr, expected, len(consts))
     return TracedMod(kind, fn, jaxpr, consts, uses)

@@ -168,6 +168,21 @@ def mask_cases(sq, skv):
             lambda b, h, q, kv: kv < lengths[b],
         ),
         ("dilated_3", masks.dilated(3), lambda b, h, q, kv: (q - kv) % 3 == 0),
+        (
+            "causal_bottom_right",
+            masks.causal_bottom_right(sq, skv),
+            lambda b, h, q, kv: kv <= q + skv - sq,
+        ),
+        (
+            "causal_bottom_right_per_batch",
+            masks.causal_bottom_right(sq, lengths),
+            lambda b, h, q, kv: kv <= q + lengths[b] - sq,
+        ),
+        (
+            "causal_with_offset_per_batch",
+            masks.causal_with_offset(prefix - 9),
+            lambda b, h, q, kv: kv <= q + (prefix - 9)[b],
+        ),
         ("dilated_1", masks.dilated(1), lambda b, h, q, kv: np.ones_like(q == kv)),
     ]
     if sq == skv:
@@ -583,6 +598,8 @@ def test_argument_validation(make, error, match):
 def test_public_names():
     assert sorted(masks.__all__) == [
         "causal",
+        "causal_bottom_right",
+        "causal_with_offset",
         "chunked_causal",
         "dilated",
         "document",

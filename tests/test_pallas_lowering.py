@@ -1,17 +1,23 @@
 """The pallas backend lowers for GPU (Triton) and TPU (Mosaic) from this CPU host.
 
-``kernel_options={"target": ...}`` emits the platform's kernel whatever the host; TPU
-lowering runs under an abstract mesh whose device kind is a TPU. Each catalog entry
-lowers forward and backward where the target supports it, and the others raise the
-compiler's NotImplementedError naming the primitive and the mod.
+``kernel_options={"target": ...}`` emits the platform's kernel whatever the host; the
+lowering runs under an abstract mesh whose device is the target's (an H100 for cuda, a
+TPU v5e for tpu). JAX 0.11's Triton lowering reads the GPU from that mesh when the host
+has none (0.10 fell back to sm_90 by itself). Each catalog entry lowers forward and
+backward where the target supports it, and the others raise the compiler's
+NotImplementedError naming the primitive and the mod.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 from catalog import BY_NAME, CATALOG, build
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_pallas import TPU_UNSUPPORTED
@@ -20,8 +26,10 @@ import flexjax
 
 # (B, Sq, Skv, Hq, Hkv, D, Dv): GQA at a GPU-sized head dim, two 128-blocks per side.
 SHAPE = (2, 256, 256, 4, 2, 64, 64)
-TRITON_CALL = "__gpu$xla.gpu.triton"
+TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")  # exported since JAX 0.11
 MOSAIC_CALL = "tpu_custom_call"
+# The Triton lowering is what flexjax targets on GPU (DESIGN.md); JAX 0.11 deprecates it with a warning.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
 def _lower(name_or_score_mod, target, grad: bool, sharding=None):
@@ -46,7 +54,15 @@ def _lower(name_or_score_mod, target, grad: bool, sharding=None):
     q = jax.ShapeDtypeStruct((B, Sq, Hq, D), jnp.bfloat16, sharding=sharding)
     k = jax.ShapeDtypeStruct((B, Skv, Hkv, D), jnp.bfloat16, sharding=sharding)
     v = jax.ShapeDtypeStruct((B, Skv, Hkv, Dv), jnp.bfloat16, sharding=sharding)
-    return jax.jit(f).trace(q, k, v, params).lower(lowering_platforms=(target,)).as_text()
+    # TPU callers enter their mesh themselves: their inputs are sharded over it.
+    mesh = jax.sharding.use_abstract_mesh(_cuda_mesh()) if target == "cuda" else contextlib.nullcontext()
+    with mesh:
+        return jax.jit(f).trace(q, k, v, params).lower(lowering_platforms=(target,)).as_text()
+
+
+def _cuda_mesh():
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=1, platform="cuda")
+    return AbstractMesh((1,), ("x",), abstract_device=device)
 
 
 def _tpu_mesh():
@@ -78,11 +94,41 @@ def test_tpu_lowering(name, grad):
 @pytest.mark.parametrize("fn,prim", [
     (lambda s, b, h, q, k: s + jax.scipy.special.erf(s), "erf"),
     (lambda s, b, h, q, k: jnp.round(s), "round"),
-])
+    # Inside a sub-jaxpr: cond's branches are a tuple param.
+    (lambda s, b, h, q, k: lax.cond(h > 0, jax.scipy.special.erf, lambda x: x, s), "erf"),
+], ids=["erf", "round", "erf_in_cond"])
 def test_cuda_unsupported_primitive_is_named(fn, prim):
     fn.__name__ = f"uses_{prim}"
     with pytest.raises(NotImplementedError, match=rf"uses_{prim}.*'{prim}'.*Triton"):
         _lower(fn, "cuda", grad=False)
+
+
+_HALF = jnp.float32(0.5)
+
+
+@jax.jit
+def _scaled(x):
+    return x * _HALF  # a nested jit that closes over an array: its jaxpr carries consts
+
+
+def _nested_calls(score, b, h, q_idx, kv_idx):
+    return jax.checkpoint(jnp.tanh)(jax.nn.relu(_scaled(score)))  # remat2, custom_jvp, jit
+
+
+@pytest.mark.parametrize("target", ["cuda", "tpu"])
+def test_call_primitives_are_inlined(target):
+    """jit (with consts), custom_jvp and checkpoint ("remat2") bodies are inlined into the kernel.
+
+    Their sub-jaxprs are ClosedJaxprs or open Jaxprs on JAX 0.10 and one Jaxpr class on 0.11.
+    """
+    if target == "cuda":
+        text = _lower(_nested_calls, target, grad=True)
+        assert text.count(TRITON_CALL) == 3
+        return
+    mesh = _tpu_mesh()
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = _lower(_nested_calls, target, grad=True, sharding=NamedSharding(mesh, P()))
+    assert text.count(MOSAIC_CALL) == 3
 
 
 def test_tpu_gather_error_names_the_mod():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
 
-# name -> module path; each module defines NAME, unsupported_reason, forward, backward.
+# name -> module path; each module defines NAME, unsupported_reason, forward, backward,
+# and a KernelOptions dataclass when it takes kernel_options.
 _BACKENDS = {
     "reference": "flexjax.backends.reference",
     "xla": "flexjax.backends.xla",
@@ -38,3 +40,9 @@ def platform_backends(platform: str | None = None) -> tuple[str, ...]:
     """The backends ``backend=None`` tries, in order, on ``platform`` (default: JAX's)."""
     platform = platform or jax.default_backend()
     return _PLATFORM_ORDER.get(platform, ("xla",))
+
+
+def kernel_option_names(name: str) -> tuple[str, ...]:
+    """The ``kernel_options`` keys backend ``name`` takes (its KernelOptions fields)."""
+    options = getattr(get_backend(name), "KernelOptions", None)
+    return tuple(f.name for f in dataclasses.fields(options)) if options is not None else ()

@@ -1,11 +1,11 @@
-"""The reference backend: dense float32 attention, the truth the tests compare against."""
+"""The reference backend: dense float32 (float64 for float64 inputs) attention, the tests' truth."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from ._common import allowed, apply_score_mod
+from ._common import acc_dtype, allowed, apply_score_mod
 
 NAME = "reference"
 
@@ -21,9 +21,10 @@ def _dense(spec, q, k, v, score_consts, mask_consts):
     Skv, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
     hi = jax.lax.Precision.HIGHEST
-    kf = jnp.repeat(k.astype(jnp.float32), g, axis=2)
-    vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision=hi) * spec.scale
+    dt = acc_dtype(q.dtype)
+    kf = jnp.repeat(k.astype(dt), g, axis=2)
+    vf = jnp.repeat(v.astype(dt), g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(dt), kf, precision=hi) * spec.scale
     b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
     h = jnp.arange(Hq, dtype=jnp.int32)[None, :, None, None]
     qi = jnp.arange(Sq, dtype=jnp.int32)[:, None]

@@ -2,7 +2,7 @@
 
 Visits only the non-empty tiles of the BlockMask (coarsened to compute tiles that are
 multiples of its blocks), applies mask_mod only on partial tiles, keeps an online
-softmax in float32 and never materializes a (q_len, kv_len) array. Dao, "FlashAttention-2"
+softmax in float32 (float64 for float64 inputs) and never materializes a (q_len, kv_len) array. Dao, "FlashAttention-2"
 (https://arxiv.org/abs/2307.08691) gives the algorithm.
 """
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._common import MASK_VALUE, ROW_INIT, allowed, apply_score_mod, coarse_lists, finish_lse
+from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lists, row_init, row_stats
 
 NAME = "xla"
 
@@ -129,9 +129,9 @@ def _pad_seq(x, n, axis=-2):
 
 
 def _heads_major(x, hkv):
-    """(B, S, H, D) -> float32 (B, Hkv, H // Hkv, S, D)."""
+    """(B, S, H, D) -> (B, Hkv, H // Hkv, S, D) in the accumulation dtype."""
     B, S, H, D = x.shape
-    return jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)).reshape(B, hkv, H // hkv, S, D)
+    return jnp.transpose(x.astype(acc_dtype(x.dtype)), (0, 2, 1, 3)).reshape(B, hkv, H // hkv, S, D)
 
 
 def _tile_indices(g, i, j):
@@ -146,18 +146,23 @@ def _slice(x, start, size, axis):
 
 
 def _rows(x, lead):
-    """(Bs, Hs, [Gs,] a, b) tile -> (Bs * Hs, [Gs *] a, b): a free reshape of a fresh slice."""
-    return x.reshape((lead[0] * lead[1], -1) + x.shape[-1:])
+    """(Bs, Hs, [Gs,] a, b) tile -> (Bs, Hs, [Gs *] a, b): a free reshape of a fresh slice.
+
+    Batch and heads stay two axes (XLA merges them after partitioning): a head-sharded
+    (Bs * Hs) axis is no tiling GSPMD can express, so under Auto mesh axes it would
+    all-gather every head onto every device.
+    """
+    return x.reshape(lead[:2] + (-1,) + x.shape[-1:])
 
 
 def _bmm(a, b):
-    """(N, M, K) @ (N, K, P) -> (N, M, P) in float32.
+    """(Bs, Hs, M, K) @ (Bs, Hs, K, P) -> (Bs, Hs, M, P) in the operands' (accumulation) dtype.
 
-    Every matmul here is laid out so the contraction is a's last axis and b's middle
-    one: XLA:CPU then calls its matmul directly instead of first transposing a
-    (tq, tk)-sized tile (measured: those copies cost more than the matmuls).
+    Every matmul here is laid out so the contraction is a's last axis and b's
+    second-to-last: XLA:CPU then calls its matmul directly instead of first transposing
+    a (tq, tk)-sized tile (measured: those copies cost more than the matmuls).
     """
-    return jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=a.dtype)
 
 
 class _Tile:
@@ -180,12 +185,13 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
 
     qt: (Bs, Hs, Gs, Sq_pad, D); kT: (Bs, Hs, D, Skv_pad); vt: (Bs, Hs, Skv_pad, Dv);
     lists: coarse tile lists of this group, (nQ,) / (nQ, nKV). Returns out (Bs, Hs, Gs,
-    Sq_pad, Dv) and lse (Bs, Hs, Gs, Sq_pad), float32.
+    Sq_pad, Dv) and the row stats (lse, max, log-sum), each (Bs, Hs, Gs, Sq_pad), in qt's dtype.
     """
     kv_n, kv_i, fkv_n, fkv_i = lists[:4]
     lead = qt.shape[:3]
     dv = vt.shape[-1]
     tile_shape = lead + (g.tq, g.tk)
+    dt = qt.dtype
 
     def q_tile(i):
         q_i = _rows(_slice(qt, i * g.tq, g.tq, 3), lead)
@@ -199,10 +205,9 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
                 s = tile.score_mod(spec, score_consts, s.reshape(tile_shape))
                 if masked:
                     s = jnp.where(tile.ok, s, MASK_VALUE)
+                # m starts at the lowest finite value (see _common.MASK_VALUE): m_new is
+                # finite, excluded pairs give exp(-inf) = 0, and no NaN arises.
                 m_new = jnp.maximum(m, s.max(-1))
-                # m starts at ROW_INIT > MASK_VALUE, so excluded pairs give exp(<= -1e38) = 0
-                # even in rows with no allowed key yet, with no -inf arithmetic (which was
-                # measured 2x slower here) and no NaN.
                 p = jnp.exp(s - m_new[..., None])
                 alpha = jnp.exp(m - m_new)
                 l = l * alpha + p.sum(-1)
@@ -212,20 +217,25 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
 
             return body
 
-        carry = (jnp.full(lead + (g.tq,), ROW_INIT, jnp.float32),
-                 jnp.zeros(lead + (g.tq,), jnp.float32),
-                 jnp.zeros(lead + (g.tq, dv), jnp.float32))
+        carry = (jnp.full(lead + (g.tq,), row_init(dt), dt),
+                 jnp.zeros(lead + (g.tq,), dt),
+                 jnp.zeros(lead + (g.tq, dv), dt))
         carry = jax.lax.fori_loop(0, kv_n[i], step(True, kv_i[i]), carry)
         carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
         m, l, acc = carry
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return out, finish_lse(m, l)
+        return out, row_stats(m, l)
 
-    outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32))
-    # (nQ, Bs, Hs, Gs, tq, ...) -> (Bs, Hs, Gs, nQ * tq, ...)
-    out = jnp.moveaxis(outs, 0, 3).reshape(lead + (g.nq * g.tq, dv))
-    lse = jnp.moveaxis(lses, 0, 3).reshape(lead + (g.nq * g.tq,))
-    return out, lse
+    return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32)), lead)
+
+
+def _q_major(tiles, lead):
+    """(nQ, Bs, Hs, Gs, tq, ...) per-q-tile results -> (Bs, Hs, Gs, nQ * tq, ...)."""
+    def one(x):
+        x = jnp.moveaxis(x, 0, 3)
+        return x.reshape(lead + (-1,) + x.shape[5:])
+
+    return jax.tree.map(one, tiles)
 
 
 def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids):
@@ -255,27 +265,25 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
         s = _bmm(_rows(_slice(qt, i * g.tq, g.tq, 3), lead), _rows(_slice(kT, start, width, 3), lead))
         s = apply_score_mod(spec, score_consts, s.reshape(lead + (g.tq, width)), b, h, q_c, kv_c)
         s = jnp.where(ok, s, MASK_VALUE)
-        # The floor ROW_INIT (> MASK_VALUE) makes fully excluded rows give p = 0, not 1.
-        m = jnp.maximum(s.max(-1), ROW_INIT)
+        # A finite floor for the max makes fully excluded rows give p = exp(-inf) = 0, not NaN.
+        m = jnp.maximum(s.max(-1), row_init(s.dtype))
         p = jnp.exp(s - m[..., None])
         l = p.sum(-1)
         pv = _bmm(_rows(p, lead), _rows(_slice(vt, start, width, 2), lead)).reshape(lead + (g.tq, -1))
-        return pv / jnp.where(l > 0, l, 1.0)[..., None], finish_lse(m, l)
+        return pv / jnp.where(l > 0, l, 1.0)[..., None], row_stats(m, l)
 
-    outs, lses = jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32), batch_size=_BAND_BATCH)
-    out = jnp.moveaxis(outs, 0, 3).reshape(lead + (g.nq * g.tq, vt.shape[-1]))
-    lse = jnp.moveaxis(lses, 0, 3).reshape(lead + (g.nq * g.tq,))
-    return out, lse
+    return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32), batch_size=_BAND_BATCH), lead)
 
 
 # -- backward ------------------------------------------------------------------------------
 
-def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, lse, delta, lists,
+def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, row_max, log_sum,
+              delta, lists,
               b_ids, h_ids):
     """dq, dk, dv and score-const gradients for one group of rows sharing tile lists.
 
     qt, dot: (Bs, Hs, Gs, Sq_pad, D / Dv) and their transposes qT, doT (Bs, Hs, Gs, D / Dv,
-    Sq_pad); kT, vT: (Bs, Hs, D / Dv, Skv_pad); kt: (Bs, Hs, Skv_pad, D); lse, delta: (Bs,
+    Sq_pad); kT, vT: (Bs, Hs, D / Dv, Skv_pad); kt: (Bs, Hs, Skv_pad, D); row_max, log_sum, delta: (Bs,
     Hs, Gs, Sq_pad). Walks kv tiles in order and, for each,
     its q tiles (transposed lists), carrying the tile's dK^T/dV^T; dQ accumulates into a
     carried array. Sequential, so deterministic.
@@ -283,11 +291,8 @@ def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, d
     q_n, q_i, fq_n, fq_i = lists[4:]
     float_idx = [n for n, want in enumerate(grad_consts) if want]
     lead = qt.shape[:3]
-    n_rows = lead[0] * lead[1]
     d, dv_dim = qt.shape[-1], dot.shape[-1]
     tile_shape = lead + (g.tq, g.tk)
-    # Rows with lse = -inf have no allowed key: every P there is masked to 0 anyway.
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
 
     def with_float(consts_f):
         consts = list(score_consts)
@@ -308,24 +313,25 @@ def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, d
                 tile = _Tile(spec, g, mask_consts, b_ids, h_ids, i, j, masked)
                 q_blk = _slice(qt, i * g.tq, g.tq, 3)
                 do_blk = _slice(dot, i * g.tq, g.tq, 3)
-                lse_i = _slice(lse_safe, i * g.tq, g.tq, 3)
+                max_i = _slice(row_max, i * g.tq, g.tq, 3)
+                log_sum_i = _slice(log_sum, i * g.tq, g.tq, 3)
                 delta_i = _slice(delta, i * g.tq, g.tq, 3)
                 s_raw = _bmm(_rows(q_blk, lead), kT_j).reshape(tile_shape)
                 consts_f = tuple(score_consts[n] for n in float_idx)
                 s, mod_vjp = jax.vjp(lambda s_, c_: tile.score_mod(spec, with_float(c_), s_), s_raw, consts_f)
-                p = jnp.exp(s - lse_i[..., None])
+                p = jnp.exp((s - max_i[..., None]) - log_sum_i[..., None])
                 if masked:
                     p = jnp.where(tile.ok, p, 0.0)
                 p_rows = _rows(p, lead)
                 # (Gs, tq) must be adjacent for the transposed operands: a real copy only
                 # for GQA groups (Gs > 1), a free reshape otherwise.
-                doT_i = jnp.moveaxis(_slice(doT, i * g.tq, g.tq, 4), 2, 3).reshape(n_rows, dv_dim, -1)
+                doT_i = jnp.moveaxis(_slice(doT, i * g.tq, g.tq, 4), 2, 3).reshape(lead[:2] + (dv_dim, -1))
                 dvT = dvT + _bmm(doT_i, p_rows)
                 dp = _bmm(_rows(do_blk, lead), vT_j).reshape(tile_shape)
                 ds = p * (dp - delta_i[..., None])
                 ds_raw, dc = mod_vjp(ds)
                 ds_rows = _rows(ds_raw, lead)
-                qT_i = jnp.moveaxis(_slice(qT, i * g.tq, g.tq, 4), 2, 3).reshape(n_rows, d, -1)
+                qT_i = jnp.moveaxis(_slice(qT, i * g.tq, g.tq, 4), 2, 3).reshape(lead[:2] + (d, -1))
                 dkT = dkT + _bmm(qT_i, ds_rows)
                 dq_i = _bmm(ds_rows, k_j).reshape(lead + (g.tq, d))
                 dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * g.tq, g.tq, 3) + dq_i, i * g.tq, axis=3)
@@ -334,19 +340,19 @@ def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, d
 
             return body
 
-        inner = (dq, jnp.zeros((n_rows, d, g.tk), jnp.float32),
-                 jnp.zeros((n_rows, dv_dim, g.tk), jnp.float32), dconsts)
+        inner = (dq, jnp.zeros(lead[:2] + (d, g.tk), qt.dtype),
+                 jnp.zeros(lead[:2] + (dv_dim, g.tk), qt.dtype), dconsts)
         inner = jax.lax.fori_loop(0, q_n[j], step(True, q_i[j]), inner)
         inner = jax.lax.fori_loop(0, fq_n[j], step(False, fq_i[j]), inner)
         dq, dkT_j, dvT_j, dconsts = inner
-        dkT_all = jax.lax.dynamic_update_slice_in_dim(dkT_all, dkT_j.reshape(lead[:2] + (d, g.tk)), j * g.tk, axis=3)
-        dvT_all = jax.lax.dynamic_update_slice_in_dim(dvT_all, dvT_j.reshape(lead[:2] + (dv_dim, g.tk)), j * g.tk,
-                                                      axis=3)
+        dkT_all = jax.lax.dynamic_update_slice_in_dim(dkT_all, dkT_j, j * g.tk, axis=3)
+        dvT_all = jax.lax.dynamic_update_slice_in_dim(dvT_all, dvT_j, j * g.tk, axis=3)
         return dq, dkT_all, dvT_all, dconsts
 
-    init = (jnp.zeros(qt.shape, jnp.float32), jnp.zeros(kT.shape, jnp.float32),
-            jnp.zeros(vT.shape, jnp.float32),
-            tuple(jnp.zeros(score_consts[n].shape, jnp.float32) for n in float_idx))
+    init = (jnp.zeros(qt.shape, qt.dtype), jnp.zeros(kT.shape, qt.dtype),
+            jnp.zeros(vT.shape, qt.dtype),
+            tuple(jnp.zeros(score_consts[n].shape, jnp.promote_types(qt.dtype, score_consts[n].dtype))
+                  for n in float_idx))
     dq, dkT, dvT, dconsts = jax.lax.fori_loop(0, g.nk, kv_tile, init)
     return dq, dkT, dvT, dconsts
 
@@ -427,6 +433,12 @@ def _prepare(spec, q, k, lists, backward: bool):
 
 
 def forward(spec, q, k, v, score_consts, mask_consts, lists):
+    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+    return out, lse
+
+
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
+    """out, lse and, for the backward, each row's (max, log-sum) (B, Hq, Sq)."""
     g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
     hkv = k.shape[2]
     skv_pad = max(g.nk * g.tk, band or 0)
@@ -438,21 +450,26 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
     def core(qt_, kv, qrows, lists_, b_, h_):
         lst = tuple(x[0, 0, 0] for x in lists_)
         if band is not None:
-            out, lse = _fwd_band_core(spec, g, band, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
+            out, stats = _fwd_band_core(spec, g, band, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
         else:
-            out, lse = _fwd_core(spec, g, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
-        return (out, lse), (), ()
+            out, stats = _fwd_core(spec, g, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
+        return (out, *stats), (), ()
 
-    (out, lse), _, _ = _run_groups(core, b_sh, h_sh, qt, (kT, vt), (), coarse, b_ids, h_ids)
+    (out, *stats), _, _ = _run_groups(core, b_sh, h_sh, qt, (kT, vt), (), coarse, b_ids, h_ids)
     B, Sq, Hq, _ = q.shape
     out = out[..., :Sq, :].reshape(B, Hq, Sq, -1).transpose(0, 2, 1, 3).astype(q.dtype)
-    lse = lse[..., :Sq].reshape(B, Hq, Sq)
-    return out, lse
+    lse, row_max, log_sum = (x[..., :Sq].reshape(B, Hq, Sq) for x in stats)
+    return out, lse, (row_max, log_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None,
+             residuals=None):
     """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``
-    (default: every float one); None for the others."""
+    (default: every float one); None for the others.
+
+    ``residuals``: the (row max, log-sum) of ``forward_with_residuals``; without them P is
+    recomputed from lse, which is exact except on rows whose scores are huge in magnitude.
+    """
     if grad_consts is None:
         grad_consts = tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in score_consts)
     g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
@@ -467,9 +484,13 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     vT = jnp.swapaxes(_pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad), -1, -2)
     dot = _pad_seq(_heads_major(dout, hkv), sq_pad)
     # delta = rowsum(dO * O); a cotangent on lse adds P * dlse to dS, i.e. delta - dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
+    dt = acc_dtype(q.dtype)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(dt), out.astype(dt)) - dlse
     pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
-    lse_t = jnp.pad(lse.reshape(B, hkv, Hq // hkv, Sq), pad_rows, constant_values=-jnp.inf)
+    if residuals is None:
+        residuals = (jnp.where(lse == -jnp.inf, 0.0, lse), jnp.zeros_like(lse))
+    # Padded rows get max 0 and log-sum 0; every P there is masked to 0 anyway.
+    max_t, log_sum_t = (jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows) for x in residuals)
     delta_t = jnp.pad(delta.reshape(B, hkv, Hq // hkv, Sq), pad_rows)
     float_idx = [n for n, want in enumerate(grad_consts) if want]
 
@@ -478,7 +499,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
                                           tuple(x[0, 0, 0] for x in lists_), b_, h_)
         return (dq,), (dkT, dvT), dconsts
 
-    qrows = (dot, jnp.swapaxes(qt, -1, -2), jnp.swapaxes(dot, -1, -2), lse_t, delta_t)
+    qrows = (dot, jnp.swapaxes(qt, -1, -2), jnp.swapaxes(dot, -1, -2), max_t, log_sum_t, delta_t)
     (dq,), (dkT, dvT), dconsts = _run_groups(core, b_sh, h_sh, qt, (kT, kt, vT), qrows,
                                              coarse, b_ids, h_ids)
     dq = (dq[..., :Sq, :] * spec.scale).reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3).astype(q.dtype)

@@ -1,6 +1,8 @@
 """Ready-made mask_mods: ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
 
 from .causal import causal as causal
+from .causal import causal_bottom_right as causal_bottom_right
+from .causal import causal_with_offset as causal_with_offset
 from .causal import chunked_causal as chunked_causal
 from .dilated import dilated as dilated
 from .document import document as document
@@ -12,6 +14,8 @@ from .sliding_window import sliding_window as sliding_window
 
 __all__ = [
     "causal",
+    "causal_bottom_right",
+    "causal_with_offset",
     "chunked_causal",
     "dilated",
     "document",

@@ -5,7 +5,14 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from .._factory import named
+
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _dilated(b, h, q_idx, kv_idx, *, stride):
+    del b, h
+    return (q_idx - kv_idx) % stride == 0
 
 
 def dilated(stride: int) -> MaskMod:
@@ -27,11 +34,4 @@ def dilated(stride: int) -> MaskMod:
         raise TypeError(f"dilated: stride must be an int, got {type(stride).__name__}")
     if stride < 1:
         raise ValueError(f"dilated: stride must be >= 1, got {stride}")
-    stride = int(stride)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        del b, h
-        return (q_idx - kv_idx) % stride == 0
-
-    mask_mod.__name__ = mask_mod.__qualname__ = f"dilated_{stride}"
-    return mask_mod
+    return named(_dilated, f"dilated_{int(stride)}", stride=int(stride))

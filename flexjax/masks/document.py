@@ -7,17 +7,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from .._factory import named, replicated
+
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _as_ids(ids: ArrayLike, name: str) -> jax.Array:
-    """Returns ``ids`` as a ``(B, S)`` integer array; ``(S,)`` becomes ``(1, S)``."""
-    ids = jnp.asarray(ids)
+    """Returns ``ids`` as ``(B, S)`` integers, or ``(S,)`` when shared by the batch (B = 1)."""
+    ids = replicated(jnp.asarray(ids))
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"document: {name} must be an integer array, got dtype {ids.dtype}")
     if ids.ndim not in (1, 2) or ids.size == 0:
         raise ValueError(f"document: {name} must have shape (B, S) or (S,) and be non-empty, got shape {ids.shape}")
-    return ids.reshape(1, -1) if ids.ndim == 1 else ids
+    # One row is shared by the batch: index it without b, so the mask can use B=None.
+    return ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
+
+
+def _segment(ids: jax.Array, b, idx):
+    """``ids[b, idx]`` (``ids[idx]`` for shared ids), indices clamped into range."""
+    pos = jnp.clip(idx, 0, ids.shape[-1] - 1)
+    if ids.ndim == 1:
+        return ids[pos]
+    return ids[jnp.clip(b, 0, ids.shape[0] - 1), pos]
+
+
+def _document(b, h, q_idx, kv_idx, *, q_ids, kv_ids):
+    del h
+    return _segment(q_ids, b, q_idx) == _segment(kv_ids, b, kv_idx)
 
 
 def document(segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> MaskMod:
@@ -30,7 +46,7 @@ def document(segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) ->
     Args:
         segment_ids: ``(B, Sq)`` or ``(Sq,)`` integer query segment ids; a 1-D array is
             shared by every batch element. May be traced (ids known only inside
-            ``jit``).
+            ``jit``). The mask reads ``b`` only when some ids have a batch size > 1.
         kv_segment_ids: ``(B, Skv)`` or ``(Skv,)`` integer key segment ids; defaults to
             ``segment_ids`` (self-attention).
 
@@ -43,21 +59,13 @@ def document(segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) ->
     """
     q_ids = _as_ids(segment_ids, "segment_ids")
     kv_ids = q_ids if kv_segment_ids is None else _as_ids(kv_segment_ids, "kv_segment_ids")
-    if q_ids.shape[0] != kv_ids.shape[0] and 1 not in (q_ids.shape[0], kv_ids.shape[0]):
+    q_b, kv_b = (x.shape[0] if x.ndim == 2 else 1 for x in (q_ids, kv_ids))
+    if q_b != kv_b and 1 not in (q_b, kv_b):
         raise ValueError(
-            f"document: segment_ids has batch size {q_ids.shape[0]} but kv_segment_ids has "
-            f"{kv_ids.shape[0]}; they must match, or one of them must be 1-D (shared by the batch)"
+            f"document: segment_ids has batch size {q_b} but kv_segment_ids has "
+            f"{kv_b}; they must match, or one of them must be 1-D (shared by the batch)"
         )
-    (q_b, q_s), (kv_b, kv_s) = q_ids.shape, kv_ids.shape
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        del h
-        q_seg = q_ids[jnp.clip(b, 0, q_b - 1), jnp.clip(q_idx, 0, q_s - 1)]
-        kv_seg = kv_ids[jnp.clip(b, 0, kv_b - 1), jnp.clip(kv_idx, 0, kv_s - 1)]
-        return q_seg == kv_seg
-
-    mask_mod.__name__ = mask_mod.__qualname__ = "document"
-    return mask_mod
+    return named(_document, "document", q_ids=q_ids, kv_ids=kv_ids)
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: ArrayLike, seq_len: int, pad_id: int = -1) -> jax.Array:

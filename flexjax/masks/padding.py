@@ -3,10 +3,16 @@
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from .._factory import batch_param, entry, named
+
 MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _padding(b, h, q_idx, kv_idx, *, kv_lengths):
+    del h, q_idx
+    return kv_idx < entry(kv_lengths, b)
 
 
 def padding(kv_lengths: ArrayLike) -> MaskMod:
@@ -14,7 +20,8 @@ def padding(kv_lengths: ArrayLike) -> MaskMod:
 
     Args:
         kv_lengths: ``(B,)`` integer valid key counts per batch element; may be a
-            traced array (lengths known only inside ``jit``).
+            traced array (lengths known only inside ``jit``). The mask reads ``b`` only
+            when ``B > 1``.
 
     Returns:
         mask_mod ``(b, h, q_idx, kv_idx) -> bool`` named ``padding``.
@@ -23,16 +30,4 @@ def padding(kv_lengths: ArrayLike) -> MaskMod:
         TypeError: ``kv_lengths`` is not an integer array.
         ValueError: ``kv_lengths`` is not 1-D.
     """
-    kv_lengths = jnp.asarray(kv_lengths)
-    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
-        raise TypeError(f"padding: kv_lengths must be an integer array, got {kv_lengths.dtype}")
-    if kv_lengths.ndim != 1 or kv_lengths.shape[0] == 0:
-        raise ValueError(f"padding: kv_lengths must have shape (B,) with B >= 1, got shape {kv_lengths.shape}")
-    last = kv_lengths.shape[0] - 1
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        del h, q_idx
-        return kv_idx < kv_lengths[jnp.clip(b, 0, last)]
-
-    mask_mod.__name__ = mask_mod.__qualname__ = "padding"
-    return mask_mod
+    return named(_padding, "padding", kv_lengths=batch_param("padding", "kv_lengths", kv_lengths))

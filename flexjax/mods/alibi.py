@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from .._factory import entry, named, replicated
+
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -41,12 +43,19 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.concatenate([slopes, extra[0::2][: num_heads - power]])
 
 
+def _alibi(score, b, h, q_idx, kv_idx, *, slopes):
+    del b
+    slope = entry(slopes, h)
+    return score + (slope * (kv_idx - q_idx).astype(slope.dtype)).astype(score.dtype)
+
+
 def alibi_from_slopes(slopes: ArrayLike) -> ScoreMod:
     """ALiBi with given per-head slopes: ``score + slopes[h] * (kv_idx - q_idx)``.
 
     Args:
-        slopes: ``(H,)`` slopes, one per query head; may be a learnable JAX array
-            (gradients reach it through flex_attention).
+        slopes: ``(H,)`` slopes, one per query head; may be a learnable JAX array,
+            traced inside ``jit`` or ``grad`` (gradients reach it through
+            flex_attention). With ``H = 1`` the score_mod does not read ``h``.
 
     Returns:
         score_mod ``(score, b, h, q_idx, kv_idx) -> score`` named ``alibi_{H}h``; it keeps
@@ -55,21 +64,13 @@ def alibi_from_slopes(slopes: ArrayLike) -> ScoreMod:
     Raises:
         ValueError: ``slopes`` is not a non-empty 1-D array.
     """
-    slopes = jnp.asarray(slopes)
+    slopes = replicated(jnp.asarray(slopes))
     if slopes.ndim != 1 or slopes.shape[0] == 0:
         raise ValueError(f"alibi_from_slopes: slopes must have shape (H,) with H >= 1, got shape {slopes.shape}")
     if not jnp.issubdtype(slopes.dtype, jnp.floating):
         slopes = slopes.astype(jnp.float32)
-    last = slopes.shape[0] - 1
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        del b
-        slope = slopes[jnp.clip(h, 0, last)]
-        bias = slope * (kv_idx - q_idx).astype(slopes.dtype)
-        return score + bias.astype(score.dtype)
-
-    score_mod.__name__ = score_mod.__qualname__ = f"alibi_{last + 1}h"
-    return score_mod
+    num_heads = slopes.shape[0]
+    return named(_alibi, f"alibi_{num_heads}h", slopes=slopes[0] if num_heads == 1 else slopes)
 
 
 def alibi(num_heads: int) -> ScoreMod:

@@ -6,7 +6,16 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from .._factory import named, replicated
+
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx, *, table):
+    del b
+    col = jnp.clip(kv_idx - q_idx + table.shape[-1] // 2, 0, table.shape[-1] - 1)
+    bias = table[col] if table.ndim == 1 else table[jnp.clip(h, 0, table.shape[0] - 1), col]
+    return score + bias.astype(score.dtype)
 
 
 def relative_bias(table: ArrayLike) -> ScoreMod:
@@ -16,7 +25,8 @@ def relative_bias(table: ArrayLike) -> ScoreMod:
 
     Args:
         table: ``(H, 2 * S - 1)`` floating bias, entry ``S - 1`` for distance 0; usually
-            a learnable JAX array (gradients reach it through flex_attention).
+            a learnable JAX array (gradients reach it through flex_attention). With
+            ``H = 1`` the score_mod does not read ``h``.
 
     Returns:
         score_mod ``(score, b, h, q_idx, kv_idx) -> score`` named ``relative_bias``; it
@@ -26,7 +36,7 @@ def relative_bias(table: ArrayLike) -> ScoreMod:
         TypeError: ``table`` is not floating point.
         ValueError: ``table`` is not ``(H, 2 * S - 1)``.
     """
-    table = jnp.asarray(table)
+    table = replicated(jnp.asarray(table))
     if not jnp.issubdtype(table.dtype, jnp.floating):
         raise TypeError(f"relative_bias: table must be a floating array, got dtype {table.dtype}")
     if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] % 2 != 1:
@@ -34,13 +44,4 @@ def relative_bias(table: ArrayLike) -> ScoreMod:
             "relative_bias: table must have shape (H, 2 * S - 1) (an odd number of "
             f"distances, centred on 0), got shape {table.shape}"
         )
-    last_head, last_col = table.shape[0] - 1, table.shape[1] - 1
-    offset = last_col // 2
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        del b
-        col = jnp.clip(kv_idx - q_idx + offset, 0, last_col)
-        return score + table[jnp.clip(h, 0, last_head), col].astype(score.dtype)
-
-    score_mod.__name__ = score_mod.__qualname__ = "relative_bias"
-    return score_mod
+    return named(_relative_bias, "relative_bias", table=table[0] if table.shape[0] == 1 else table)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from .._factory import named, replicated
+
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -105,6 +107,14 @@ def t5_relative_position_bucket(
     return offset + jnp.where(distance < max_exact, distance, large)
 
 
+def _t5_bias(score, b, h, q_idx, kv_idx, *, table, num_buckets, max_distance, bidirectional):
+    del b
+    bucket = t5_relative_position_bucket(kv_idx - q_idx, num_buckets, max_distance, bidirectional)
+    bucket = jnp.clip(bucket, 0, num_buckets - 1)
+    bias = table[bucket] if table.ndim == 1 else table[jnp.clip(h, 0, table.shape[0] - 1), bucket]
+    return score + bias.astype(score.dtype)
+
+
 def t5_relative_bucket_bias(
     table: ArrayLike, num_buckets: int, max_distance: int, bidirectional: bool = True
 ) -> ScoreMod:
@@ -112,7 +122,8 @@ def t5_relative_bucket_bias(
 
     Args:
         table: ``(H, num_buckets)`` floating bias, usually a learnable JAX array
-            (gradients reach it through flex_attention).
+            (gradients reach it through flex_attention). With ``H = 1`` the score_mod
+            does not read ``h``.
         num_buckets: number of buckets, ``table.shape[1]`` (T5 uses 32).
         max_distance: distance from which everything shares the last bucket (T5: 128).
         bidirectional: False for decoder self-attention (T5's causal setting).
@@ -128,21 +139,14 @@ def t5_relative_bucket_bias(
     """
     _check_bucketing("t5_relative_bucket_bias", num_buckets, max_distance, bool(bidirectional))
     num_buckets, max_distance = int(num_buckets), int(max_distance)
-    table = jnp.asarray(table)
+    table = replicated(jnp.asarray(table))
     if not jnp.issubdtype(table.dtype, jnp.floating):
         raise TypeError(f"t5_relative_bucket_bias: table must be a floating array, got dtype {table.dtype}")
     if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] != num_buckets:
         raise ValueError(
             f"t5_relative_bucket_bias: table must have shape (H, num_buckets={num_buckets}), got shape {table.shape}"
         )
-    last_head = table.shape[0] - 1
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        del b
-        bucket = t5_relative_position_bucket(kv_idx - q_idx, num_buckets, max_distance, bidirectional)
-        bias = table[jnp.clip(h, 0, last_head), jnp.clip(bucket, 0, num_buckets - 1)]
-        return score + bias.astype(score.dtype)
-
     suffix = "" if bidirectional else "_unidirectional"
-    score_mod.__name__ = score_mod.__qualname__ = f"t5_bias_{num_buckets}_{max_distance}{suffix}"
-    return score_mod
+    return named(_t5_bias, f"t5_bias_{num_buckets}_{max_distance}{suffix}",
+                 table=table[0] if table.shape[0] == 1 else table, num_buckets=num_buckets,
+                 max_distance=max_distance, bidirectional=bidirectional)

@@ -1,7 +1,7 @@
-"""Context parallelism: flex_attention with its sequence sharded over a JAX mesh."""
+"""Sharded flex_attention: context parallelism over a JAX mesh, batch/head parallelism from Explicit shardings."""
 
 from ._attention import flex_attention as flex_attention
-from ._attention import maybe_sharded_attention as _maybe_sharded_attention  # noqa: F401  (flexjax.flex_attention's hook)
+from ._attention import maybe_sharded_attention as _maybe_sharded_attention  # noqa: F401  (registered with flexjax.flex_attention)
 from ._attention import visited_tiles as visited_tiles
 from ._layout import permute_tokens as permute_tokens
 from ._layout import unpermute_tokens as unpermute_tokens

@@ -1,5 +1,7 @@
-"""Sequence-sharded flex_attention: one shard_map, k/v all-gathered or passed around a ring.
+"""Sharded flex_attention: one shard_map; over a context axis, k/v all-gathered or passed around a ring.
 
+The shardings come from the active ``attention_specs``, or, without them, from the
+Explicit-axis sharding types of q/k/v along batch and heads (no communication then).
 Each shard runs flexjax's own flex_attention on its local queries. Its mods and its
 BlockMask are the user's, with local indices mapped back to global batch, head and
 (original, unpermuted) sequence positions; its BlockMask holds only the tiles of the
@@ -22,12 +24,12 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._api import _check_block_mask, _check_qkv, _zero_cotangent
+from .._api import _check_block_mask, _check_qkv, _zero_cotangent, register_sharded_dispatch
 from .._api import flex_attention as _flex_attention
 from .._block_mask import EMPTY, BlockMask
 from .._trace import StaticMod, trace_mod
 from ._layout import block_order, positions
-from ._specs import AttentionSpecs, active_specs, axes_of
+from ._specs import AttentionSpecs, active_specs, axes_of, make_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,8 @@ class _Plan:
       group: q heads per k/v head.
       score, mask: the user's traced mods (None when absent).
       block_size: the BlockMask's tile, or None without a BlockMask.
+      kv_band: the BlockMask's kv_band when n == 1 (each shard then gets its rows of the
+        global index lists, whose band is at most the global one), else None.
       scale, backend, kernel_options: passed to every per-shard flex_attention.
     """
 
@@ -64,6 +68,7 @@ class _Plan:
     score: StaticMod | None
     mask: StaticMod | None
     block_size: tuple | None
+    kv_band: int | None
     scale: float | None
     backend: str | None
     kernel_options: tuple
@@ -99,7 +104,7 @@ def _inline(jaxpr, args):
     ``jax.set_mesh`` with Explicit axes then fails on the Manual-axis values inside
     ``shard_map``. Sub-jaxprs of other primitives (custom_jvp, cond, ...) are re-traced.
     """
-    env = dict(zip(jaxpr.invars, args, strict=True))
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], args, strict=True))
     read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
@@ -136,12 +141,13 @@ def _call(mod: StaticMod, consts, *args):
 
 # -- one shard, one k/v block -------------------------------------------------------------
 
-def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, src):
+def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, tiles, src):
     """flex_attention of this shard's queries against the k/v of layout block ``src``.
 
-    ``states``: this shard's rows of the global tile states, in layout order, int8
-    (Bm, Hm, nQ_local, nKV); ``src``: 0 for all-gathered k/v, the owning shard in a ring.
-    Returns ``(out, lse)`` for the local queries.
+    ``tiles``: with one context shard (n == 1), this shard's (batch, head) rows of the
+    BlockMask's 8 index lists; else its rows of the global tile states, in layout order,
+    int8 (Bm, Hm, nQ_local, nKV). ``src``: 0 for all-gathered k/v, the owning shard in a
+    ring. Returns ``(out, lse)`` for the local queries.
     """
     b_off = _index(plan.batch_axes) * plan.batch_local
     h_off = _index(plan.head_axes) * plan.heads_local
@@ -164,7 +170,7 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, sr
     if plan.block_size is not None:
         if plan.ring:
             nkv = plan.kv_blocks_local
-            states = jax.lax.dynamic_slice_in_dim(states, src * nkv, nkv, axis=3)
+            tiles = jax.lax.dynamic_slice_in_dim(tiles, src * nkv, nkv, axis=3)
         mask, consts = None, ()
         if plan.mask is not None:
             def mask_mod(b, h, q_idx, kv_idx):
@@ -173,8 +179,12 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, states, sr
             mask_mod.__name__ = plan.mask.name
             traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
             mask, consts = traced.static(), traced.consts
-        block_mask = BlockMask.from_states(states, consts, seq_lengths=(plan.q_local, plan.kv_local),
-                                           block_size=plan.block_size, mask=mask)
+        if plan.n == 1:
+            block_mask = BlockMask(*tiles, consts, seq_lengths=(plan.q_len, plan.kv_len),
+                                   block_size=plan.block_size, mask=mask, kv_band=plan.kv_band)
+        else:
+            block_mask = BlockMask.from_states(tiles, consts, seq_lengths=(plan.q_local, plan.kv_local),
+                                               block_size=plan.block_size, mask=mask)
     return _flex_attention(q, k, v, score_mod, block_mask, scale=plan.scale, return_lse=True,
                            backend=plan.backend, kernel_options=dict(plan.kernel_options) or None)
 
@@ -347,7 +357,7 @@ def _place(x, spec: P, mesh):
     """Reshards ``x`` to ``spec`` where the mesh has Explicit axes (shard_map needs it)."""
     if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
         return x
-    return jax.reshard(x, NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec)
+    return jax.reshard(x, NamedSharding(mesh, spec))
 
 
 def _divides(count: int, parts: int, what: str, spec_name: str):
@@ -389,12 +399,20 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
                 f"(kv_specs[2]={h_e!r})")
         kv_head_slice = max(1, local // group)
 
-    states, mask, mask_consts, block_size, states_spec = (), None, (), None, ()
+    tiles, mask, mask_consts, block_size, kv_band, tiles_spec = (), None, (), None, None, ()
     if block_mask is not None:
-        _check_block_mask(block_mask, B, Hq, Sq, Skv)
-        states = _layout_states(block_mask, n, permuted, ring)
-        Bm, Hm = states.shape[:2]
-        states_spec = P(b_e if Bm == B else None, h_e if Hm == Hq else None, s_e, None)
+        _check_block_mask(block_mask, query.shape, Skv)
+        Bm, Hm = block_mask.shape[:2]
+        rows = (b_e if Bm == B else None, h_e if Hm == Hq else None)
+        if n == 1:
+            # Batch / head parallelism only: each shard takes its rows of the index lists
+            # as they are (no dense tile states, the lists' width and kv_band kept).
+            tiles = tuple(block_mask.tree_flatten()[0][:8])
+            tiles_spec = tuple(P(*rows) for _ in tiles)
+            kv_band = block_mask.kv_band
+        else:
+            tiles = _layout_states(block_mask, n, permuted, ring)
+            tiles_spec = P(*rows, s_e, None)
         mask, mask_consts, block_size = block_mask.mask, tuple(block_mask.mask_consts), block_mask.block_size
     score, score_consts = None, ()
     if score_mod is not None:
@@ -407,10 +425,10 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
         seq_axes=axes_of(s_e), batch_axes=axes_of(b_e), head_axes=axes_of(h_e), n=n, permuted=permuted,
         ring=ring, q_len=Sq, kv_len=Skv, q_local=Sq // n, kv_local=Skv // n if ring else Skv,
         batch_local=B // nb, heads_local=Hq // nh, kv_head_slice=kv_head_slice, group=group,
-        score=score, mask=mask, block_size=block_size, scale=scale, backend=backend,
+        score=score, mask=mask, block_size=block_size, kv_band=kv_band, scale=scale, backend=backend,
         kernel_options=tuple(sorted((kernel_options or {}).items())))
 
-    def body(q, k, v, score_consts, mask_consts, states):
+    def body(q, k, v, score_consts, mask_consts, tiles):
         if plan.kv_head_slice:
             start = _index(plan.head_axes) * plan.heads_local // plan.group
             k, v = (jax.lax.dynamic_slice_in_dim(x, start, plan.kv_head_slice, axis=2) for x in (k, v))
@@ -419,35 +437,88 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
                 # Gathered here rather than by shard_map's input resharding: the transpose
                 # is then a reduce-scatter of dK/dV instead of an all-reduce.
                 k, v = jax.lax.all_gather((k, v), _axis_name(plan.seq_axes), axis=1, tiled=True)
-            return _local_attention(plan, q, k, v, score_consts, mask_consts, states, 0)
-        return _ring(plan, q, k, v, score_consts, mask_consts, states)
+            return _local_attention(plan, q, k, v, score_consts, mask_consts, tiles, 0)
+        return _ring(plan, q, k, v, score_consts, mask_consts, tiles)
 
     q_spec, kv_spec = P(b_e, s_e, h_e, None), P(b_e, s_e, kv_h, None)
     in_specs = (q_spec, kv_spec, kv_spec, tuple(P() for _ in score_consts),
-                tuple(P() for _ in mask_consts), states_spec)
-    args = (query, key, value, score_consts, mask_consts, states)
-    args = jax.tree.map(lambda x, s: _place(x, s, mesh), args, in_specs,
-                        is_leaf=lambda x: isinstance(x, P))
+                tuple(P() for _ in mask_consts), tiles_spec)
     # check_vma=False: the mods' jaxprs and the backends were traced without manual axes.
-    out, lse = jax.shard_map(body, mesh=specs.mesh, in_specs=in_specs, check_vma=False,
-                             out_specs=(q_spec, P(b_e, h_e, s_e)))(*args)
+    # Only the named axes go manual: over the others q/k/v are replicated, and a manual
+    # replicated input would have its cotangent all-reduced over them.
+    sharded = jax.shard_map(body, mesh=specs.mesh, in_specs=in_specs, out_specs=(q_spec, P(b_e, h_e, s_e)),
+                            axis_names=frozenset(specs.names()), check_vma=False)
+
+    # Under jit even when called eagerly: an eager shard_map would run the shards'
+    # custom_vjp (symbolic zeros) op by op, which JAX does not implement, and an abstract
+    # mesh places arrays only inside jit.
+    @jax.jit
+    def placed(*args):
+        return sharded(*jax.tree.map(lambda x, s: _place(x, s, mesh), args, in_specs,
+                                     is_leaf=lambda x: isinstance(x, P)))
+
+    out, lse = placed(query, key, value, score_consts, mask_consts, tiles)
     return (out, lse) if return_lse else out
 
 
 # -- entry points -------------------------------------------------------------------------
 
+def _type_spec(x) -> tuple:
+    """The 4 entries of ``x``'s sharding type: its Explicit mesh axes (None elsewhere)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def specs_from_types(query, key, value) -> AttentionSpecs | None:
+    """Batch / head parallelism read off the Explicit-axis shardings of q, k, v, or None.
+
+    Attention is independent per batch element and head, so q's batch and head entries
+    become the specs (k/v take q's batch entry, and q's head entry when both shard their
+    heads like q, else whole heads; the output is sharded like q) and no shard talks to
+    another. A sharded sequence needs context parallelism, a sharded head_dim a
+    contraction over the mesh: both raise. None when no array has an Explicit-axis entry.
+    """
+    arrays = (("query", query), ("key", key), ("value", value))
+    types = {name: _type_spec(x) for name, x in arrays}
+    if not any(e is not None for spec in types.values() for e in spec):
+        return None
+    b_e, _, h_e, _ = types["query"]
+    kv_h = h_e if types["key"][2] == types["value"][2] == h_e else None
+    for name, spec in types.items():
+        if spec[1] is not None:
+            raise ValueError(
+                f"{name} is sharded over mesh axis {spec[1]!r} along its sequence (dim 1); flex_attention "
+                "splits the sequence over the mesh (context parallelism) only inside "
+                "flexjax.sharding.attention_specs(query_specs=..., kv_specs=...): wrap the call in "
+                f"`with flexjax.sharding.attention_specs(query_specs={(b_e, spec[1], h_e, None)!r}, "
+                f"kv_specs={(b_e, None, kv_h, None)!r}):` (k/v all-gathered; kv_specs[1]={spec[1]!r} for a "
+                f"ring), or reshard {name} to P({spec[0]!r}, None, {spec[2]!r}, None)")
+        if spec[3] is not None:
+            raise ValueError(
+                f"{name} is sharded over mesh axis {spec[3]!r} along head_dim (dim 3), which attention "
+                f"contracts over; shard its heads (dim 2) instead, or reshard it to P({spec[0]!r}, None, "
+                f"{spec[2]!r}, None)")
+    mesh = next(jax.typeof(x).sharding.mesh for name, x in arrays if any(e is not None for e in types[name]))
+    specs = make_specs((b_e, None, h_e, None), (b_e, None, kv_h, None))
+    return dataclasses.replace(specs, mesh=mesh)
+
+
 def maybe_sharded_attention(query, key, value, score_mod=None, block_mask=None, *, scale=None,
                             return_lse=False, backend=None, kernel_options=None) -> Any:
     """The hook of ``flexjax.flex_attention``: the sharded result, or NotImplemented.
 
-    NotImplemented (run the ordinary single-device path) when no ``attention_specs`` is
-    active, when it names no mesh axis, or inside a ``shard_map`` over its axes (the
-    arrays there are already per-shard).
+    The active ``attention_specs`` say how to shard; without them, q/k/v sharded over
+    Explicit mesh axes (``jax.typeof(q).sharding``) along batch or heads are split as
+    their shardings say (``specs_from_types``). NotImplemented (run the ordinary
+    single-device path) when neither names a mesh axis, or inside a ``shard_map`` over
+    the axes (the arrays there are already per-shard).
     """
     specs = active_specs()
-    if specs is None or not specs.names():
-        return NotImplemented
-    if set(specs.names()) & set(jax.sharding.get_abstract_mesh().manual_axes):
+    if specs is None:
+        specs = specs_from_types(query, key, value)
+    elif not specs.names():
+        specs = None
+    if specs is None or set(specs.names()) & set(jax.sharding.get_abstract_mesh().manual_axes):
         return NotImplemented
     return sharded_flex_attention(specs, query, key, value, score_mod, block_mask, scale=scale,
                                   return_lse=return_lse, backend=backend, kernel_options=kernel_options)
@@ -462,15 +533,11 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     Same arguments and results, with global shapes: q/k/v are (batch, seq, heads,
     head_dim) arrays of the whole problem (in ``permute_tokens`` order when the specs
     are permuted), ``block_mask`` is built for the whole sequence in original positions,
-    and the output (and lse) come back sharded like the query. Without active specs it
-    is ``flexjax.flex_attention``.
+    and the output (and lse) come back sharded like the query. It is
+    ``flexjax.flex_attention`` itself, which dispatches here (``maybe_sharded_attention``).
     """
-    out = maybe_sharded_attention(query, key, value, score_mod, block_mask, scale=scale,
-                                  return_lse=return_lse, backend=backend, kernel_options=kernel_options)
-    if out is NotImplemented:
-        return _flex_attention(query, key, value, score_mod, block_mask, scale=scale,
-                               return_lse=return_lse, backend=backend, kernel_options=kernel_options)
-    return out
+    return _flex_attention(query, key, value, score_mod, block_mask, scale=scale,
+                           return_lse=return_lse, backend=backend, kernel_options=kernel_options)
 
 
 def visited_tiles(block_mask: BlockMask) -> np.ndarray:
@@ -493,3 +560,6 @@ def visited_tiles(block_mask: BlockMask) -> np.ndarray:
         return rows.sum(-1, keepdims=True)
     blocks = rows.reshape(n, n, -1).sum(-1)  # [shard, owner of the k/v block]
     return np.stack([blocks[i, (i - np.arange(n)) % n] for i in range(n)])
+
+
+register_sharded_dispatch(maybe_sharded_attention)

@@ -57,13 +57,14 @@ class AttentionSpecs:
       query: entries for (batch, seq, heads, head_dim) of q and of the output.
       kv: the same for k and v.
       permuted: whether the sequence axis is in ``permute_tokens`` order.
-      mesh: the mesh the axes belong to, or None to use the one set by ``jax.set_mesh``.
+      mesh: the mesh the axes belong to (abstract when read off the arrays' sharding
+        types), or None to use the one set by ``jax.set_mesh``.
     """
 
     query: tuple
     kv: tuple
     permuted: bool = False
-    mesh: jax.sharding.Mesh | None = None
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
 
     @property
     def strategy(self) -> str:

@@ -32,7 +32,10 @@ class KernelOptions:
 
     Attributes:
       target: "cuda" or "tpu": the kernel to emit; default the host's platform (the GPU
-        template in interpret mode on CPU).
+        template in interpret mode on CPU). On a host without a GPU, JAX 0.11 lowers
+        "cuda" kernels only inside ``jax.sharding.use_abstract_mesh(AbstractMesh((1,),
+        ("x",), abstract_device=AbstractDevice("NVIDIA H100", 1, "cuda")))``, which names
+        the GPU to compile for (0.10 assumed sm_90).
       interpret: run the kernels in Pallas' interpreter; default True on a CPU host when
         no target is given.
       block_q, block_kv: forward tile.
@@ -58,21 +61,48 @@ _TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
 _LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
 
 
-def heuristics(target: str, block_size: tuple[int, int], head_dim: int) -> KernelOptions:
+# sm_90 tiles and launch parameters per (16-bit or float32, padded head dim): (fwd block_q,
+# block_kv, warps, stages, bwd block_q, bwd block_kv, warps, stages). Each row is the
+# measured choice of `make test-compile` (H100 target, ptxas -v, catalog worst case
+# prefix_lm+relative_bias, GQA; the regs/spills quoted are per thread). The limit is 227 KiB
+# of shared memory per block and 255 registers per thread.
+_CUDA = {
+    # fwd 128x64/4w/3st: 255 regs, 0 spills, 128 KiB smem. bwd 64x64/4w spilled 16 B in dK/dV
+    # (relative_bias GQA); 32x64/8w is what D=128 needs, kept here for one backward shape.
+    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
+    # fwd 128x64/8w/3st: 254 regs, 0 spills, 192 KiB. bwd 64x64/4w: dK/dV spilled 180 B,
+    # 64x64/8w 32 B, 64x32/4w 8 B; 32x64/8w: 248 (dQ) / 174 (dK/dV) regs, 0 spills.
+    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
+    # fwd 128x64/3st needs 256 KiB; 128x32/8w/3st: 235 regs, 192 KiB. bwd 32x64/8w/2st:
+    # 181 / 249 regs, 0 spills, 108 KiB.
+    (2, 256): (128, 32, 8, 3, 32, 64, 8, 2),
+    # fwd 128x64/4w spilled 88-292 B, 8w 0 B; 128x32/8w: 188 regs, 104 KiB. bwd 64x64/4w:
+    # dK/dV spilled up to 308 B, 8w 276 B; 32x64/8w: 244 / 254 regs, 0 spills.
+    (4, 64): (128, 32, 8, 3, 32, 64, 8, 2),
+    # fwd 128x64/3st needs 288 KiB with relative_bias (its table gather stages in smem),
+    # 128x32/8w spilled 24 B; 32x64/8w/2st: 170 regs, 96 KiB. bwd 64x64/4w spilled 1-3 KB,
+    # 32x64/8w 2.4 KB, 16x64/8w 64 B; 16x32/8w/1st: 168 / 252 regs, 0 spills.
+    (4, 128): (32, 64, 8, 2, 16, 32, 8, 1),
+    # fwd 64x32/8w spilled 1.9 KB; 32x64/8w/2st: 250 regs, 176 KiB. bwd: dQ 16x16/4w fits
+    # (254 regs); dK/dV spills 10-14 KB in every tile tried (16x16 .. 32x32, 4 and 8 warps).
+    (4, 256): (32, 64, 8, 2, 16, 16, 4, 1),
+}
+
+
+def heuristics(target: str, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16) -> KernelOptions:
     """Default tiles and launch parameters for ``target`` ("cuda", "tpu" or "interpret").
 
-    Not yet tuned on hardware (no GPU/TPU in this project's CI); run
-    benchmarks/gpu_check.sh on a GPU to measure.
+    cuda: per dtype width and head dim from the sm_90 compile suite (``_CUDA``; not yet
+    timed on hardware: benchmarks/gpu_check.sh measures on a GPU).
     """
     bq, bkv = block_size
     if target == "cuda":
-        # FlashAttention-2's Triton tiles (and torch flex_attention's H100 defaults):
-        # q 128 x kv 64 forward with 8 warps at head_dim 128 (4 below); 64 x 64 backward,
-        # whose five live tiles per step do not fit 128-row tiles in registers.
-        warps = 8 if head_dim > 64 else 4
-        return KernelOptions(target=target, interpret=False, block_q=_fit(128, bq), block_kv=_fit(64, bkv),
-                             bwd_block_q=_fit(64, bq), bwd_block_kv=_fit(64, bkv), num_warps=warps,
-                             num_stages=3, bwd_num_warps=4, bwd_num_stages=2)
+        # Triton pads the head dim to a power of two (>= 16); above 256, the 256 row.
+        d = min(max(64, 1 << (int(head_dim) - 1).bit_length()), 256)
+        fq, fk, fw, fs, bq_, bk_, bw, bs = _CUDA[(min(jnp.dtype(dtype).itemsize, 4), d)]
+        return KernelOptions(target=target, interpret=False, block_q=_fit(fq, bq), block_kv=_fit(fk, bkv),
+                             bwd_block_q=_fit(bq_, bq), bwd_block_kv=_fit(bk_, bkv), num_warps=fw,
+                             num_stages=fs, bwd_num_warps=bw, bwd_num_stages=bs)
     if target == "tpu":
         # Splash attention's defaults are 512-wide tiles; 128 is the lane width that every
         # kv tile must be a multiple of, and the smallest that keeps the MXU busy.
@@ -93,13 +123,13 @@ def _host_target() -> str | None:
     return {"gpu": "cuda", "cuda": "cuda", "rocm": None, "tpu": "tpu"}.get(platform)
 
 
-def _resolve(spec, head_dim: int) -> KernelOptions:
+def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
     opts = spec.options
     target = opts.get("target") or _host_target()
     interpret = opts.get("interpret")
     if interpret is None:
         interpret = target is None
-    default = heuristics("interpret" if interpret else target, spec.block_size, head_dim)
+    default = heuristics("interpret" if interpret else target, spec.block_size, head_dim, dtype)
     values = {f: opts[f] if opts.get(f) is not None else getattr(default, f) for f in _FIELDS}
     values["target"], values["interpret"] = target, bool(interpret)
     return KernelOptions(**values)
@@ -151,7 +181,7 @@ def unsupported_reason(spec, q, k, v):
         return f"the pallas backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
     if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
         return f"the pallas backend has no kernel for platform {jax.default_backend()!r}"
-    o = _resolve(spec, q.shape[-1])
+    o = _resolve(spec, q.shape[-1], q.dtype)
     if o.target == "cuda" and not o.interpret:
         for f in _TILE_FIELDS:
             val = getattr(o, f)
@@ -194,7 +224,7 @@ def _template(o: KernelOptions):
 
 
 def forward(spec, q, k, v, score_consts, mask_consts, lists):
-    o = _resolve(spec, q.shape[-1])
+    o = _resolve(spec, q.shape[-1], q.dtype)
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
@@ -206,7 +236,7 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists):
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None):
-    o = _resolve(spec, q.shape[-1])
+    o = _resolve(spec, q.shape[-1], q.dtype)
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)

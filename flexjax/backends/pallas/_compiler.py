@@ -36,10 +36,10 @@ from ..._trace import StaticMod
 # Primitives that only rename or reshape a value that has one element per position.
 _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
                          "reduce_sum", "reduce_max", "reduce_min", "transpose"})
-# Call-like primitives whose body is inlined.
+# Call-like primitives whose body is inlined ("remat2" is jax.checkpoint's).
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr"}
 # Primitives the DESIGN lists as broken inside Triton kernels even where a rule exists.
 _TRITON_GAPS = frozenset({"erf", "round", "sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
 _MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
@@ -76,6 +76,26 @@ def _size1(aval) -> bool:
     return int(np.prod(aval.shape)) == 1
 
 
+def _open(sub):
+    """``(jaxpr, consts)``: a sub-jaxpr and the values of its constvars.
+
+    JAX 0.10 wraps a Jaxpr in a ClosedJaxpr that holds the consts. JAX 0.11 has one Jaxpr
+    class that carries its consts (``ClosedJaxpr`` is an alias of it, and ``.jaxpr`` a
+    legacy accessor returning itself), so the class no longer tells closed from open.
+    """
+    if isinstance(sub, jex_core.Jaxpr):
+        return sub, tuple(getattr(sub, "consts", ()))
+    return sub.jaxpr, tuple(sub.consts)
+
+
+def _sub_jaxprs(params):
+    """The jaxprs among an equation's params (cond's branches come as a tuple)."""
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                yield _open(x)[0]
+
+
 class _Flattener:
     """Inlines call primitives so the mod becomes one flat list of nodes."""
 
@@ -95,8 +115,8 @@ class _Flattener:
             return Lit(np.asarray(v.val, dtype=v.aval.dtype))
         return env[v]
 
-    def run(self, jaxpr, args) -> list:
-        env = dict(zip(jaxpr.invars, args))
+    def run(self, jaxpr, args, invars=None) -> list:
+        env = dict(zip(jaxpr.invars if invars is None else invars, args))
         for eqn in jaxpr.eqns:
             ins = [self.atom(env, v) for v in eqn.invars]
             name = eqn.primitive.name
@@ -105,14 +125,13 @@ class _Flattener:
                 if sub is None:
                     raise NotImplementedError(
                         f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
-                if isinstance(sub, jex_core.ClosedJaxpr):
-                    consts = [self._const(c) for c in sub.consts]
-                    sub = sub.jaxpr.replace(constvars=[], invars=list(sub.jaxpr.constvars) + list(sub.jaxpr.invars))
-                    ins = consts + ins
-                if len(ins) != len(sub.invars):
+                sub, consts = _open(sub)
+                ins = [self._const(c) for c in consts] + ins
+                sub_invars = [*sub.constvars, *sub.invars]
+                if len(ins) != len(sub_invars):
                     raise NotImplementedError(
                         f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
-                outs = self.run(sub, ins)
+                outs = self.run(sub, ins, sub_invars)
             else:
                 outs = [self.new(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
@@ -371,11 +390,8 @@ def _check_prims(prims, target: str, mod_name: str, where: str):
 def _collect_prims(jaxpr, acc: set):
     for eqn in jaxpr.eqns:
         acc.add(eqn.primitive.name)
-        for v in eqn.params.values():
-            if isinstance(v, jex_core.ClosedJaxpr):
-                _collect_prims(v.jaxpr, acc)
-            elif isinstance(v, jex_core.Jaxpr):
-                _collect_prims(v, acc)
+        for sub in _sub_jaxprs(eqn.params):
+            _collect_prims(sub, acc)
     return acc
 
 

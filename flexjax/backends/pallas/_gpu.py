@@ -32,9 +32,13 @@ from ._tile import (
     tile_indices,
 )
 
-# Chunk of an array's flattened gradient reduced per step of the one-hot reduction: the
-# (tq, tk, chunk) comparison stays a few registers per thread at 64 x 64 tiles.
-_ONEHOT_CHUNK = 16
+# Chunk of an array's flattened gradient reduced per step of the one-hot reduction, which
+# walks only the chunks a tile's indices fall in (tq + tk - 1 entries for relative_bias):
+# the (tq, tk, chunk) comparison is chunk x 32 registers per thread at 64 x 64 tiles and 4
+# warps, so a chunk of 16 spilled ~16 KB per thread at sm_90 (tests_compile).
+_ONEHOT_CHUNK = 2
+# Chunk that zeroes each program's gradient slab (stores only); a multiple of _ONEHOT_CHUNK.
+_ZERO_CHUNK = 16
 
 
 def _whole(x):
@@ -57,6 +61,11 @@ def _take(it, n):
 
 
 def _compiler_params(target: str | None, interpret: bool, warps: int, stages: int):
+    """Triton launch parameters; they also select the Triton lowering over Mosaic GPU.
+
+    JAX 0.11 deprecates that lowering (a DeprecationWarning when a kernel is lowered);
+    its CompilerParams are the same as in 0.10.
+    """
     if target != "cuda" or interpret:
         return None
     from jax.experimental.pallas import triton as plgpu
@@ -196,10 +205,10 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, a
             darr_of[n] = (next(slot), info)
             ref = darr_of[n][0]
 
-            @pl.loop(0, ref.shape[-1] // _ONEHOT_CHUNK)
+            @pl.loop(0, ref.shape[-1] // _ZERO_CHUNK)
             def _(c, ref=ref):
-                ref[pl.ds(pl.multiple_of(c * _ONEHOT_CHUNK, _ONEHOT_CHUNK), _ONEHOT_CHUNK)] = jnp.zeros(
-                    (_ONEHOT_CHUNK,), jnp.float32)
+                ref[pl.ds(pl.multiple_of(c * _ZERO_CHUNK, _ZERO_CHUNK), _ZERO_CHUNK)] = jnp.zeros(
+                    (_ZERO_CHUNK,), jnp.float32)
 
     def body(masked):
         def step(j, carry):
@@ -219,8 +228,10 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, a
                 ref, shape = darr_of[kk]
                 flat = flat_index(idx, shape)
                 flat = jnp.broadcast_to(flat, d.shape)
+                # Only the chunks this tile's indices reach; the order stays fixed (deterministic).
+                first, last = _div(flat.min(), _ONEHOT_CHUNK), _div(flat.max(), _ONEHOT_CHUNK)
 
-                @pl.loop(0, ref.shape[-1] // _ONEHOT_CHUNK)
+                @pl.loop(first, last + 1)
                 def _(c, ref=ref, flat=flat, d=d):
                     start = pl.multiple_of(c * _ONEHOT_CHUNK, _ONEHOT_CHUNK)
                     ref[pl.ds(start, _ONEHOT_CHUNK)] += onehot_partial(flat, d, start, _ONEHOT_CHUNK)
@@ -311,7 +322,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     row_spec = lambda d: pl.BlockSpec((None, g.tq, None, d), lambda i, bh: (bh // Hq, i, bh % Hq, 0))  # noqa: E731
     seq_spec = lambda d: pl.BlockSpec((None, g.skv, None, d), lambda i, bh: (bh // Hq, 0, (bh % Hq) // G, 0))  # noqa: E731
     vec_spec = pl.BlockSpec((None, None, g.tq, 1), lambda i, bh: (bh // Hq, bh % Hq, i, 0))
-    flat_sizes = [-(-math.prod(s) // _ONEHOT_CHUNK) * _ONEHOT_CHUNK for s in arr_info if s is not None]
+    flat_sizes = [-(-math.prod(s) // _ZERO_CHUNK) * _ZERO_CHUNK for s in arr_info if s is not None]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [row_spec(D)]
     out_shape += [jax.ShapeDtypeStruct((g.B, Hq, g.sq, 1), jnp.float32) for f in float_rows if f]

@@ -1,0 +1,106 @@
+"""GPU correctness check for gpu_check.sh: the catalog's compiled Triton kernels against the reference.
+
+    python benchmarks/gpu_tests.py --out gpu_tests.jsonl [--shard 0/4] [--cases causal,padding]
+
+The check of ``test_catalog_on_gpu`` in tests/test_pallas.py (bfloat16, forward and
+backward, GQA with ragged lengths) without pytest, which the GPU machine may lack.
+Shards split the catalog so that several processes compile at once; each case appends
+one JSON line to ``--out`` as soon as it finishes, so a run that is cut still reports.
+``--interpret`` runs the same kernels in Pallas' interpreter (to try this script on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "tests"))
+sys.path.insert(0, _ROOT)
+
+from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads  # noqa: E402
+from checks import assert_close  # noqa: E402
+
+
+def check(name: str, kernel_options: dict) -> None:
+    """pallas in bfloat16 against the float32 reference on the same rounded inputs.
+
+    Raises:
+      AssertionError: an output or gradient is off by more than the same-dtype
+        reference's own error allows (tests/checks.py).
+    """
+    case, shape = BY_NAME[name], SHAPES["gqa_unequal"]
+    bm, params, attention = build(case, shape, 64)
+    q, k, v, do = inputs(shape, jnp.bfloat16)
+    got = loss_and_grads(attention, q, k, v, do, params, backend="pallas", kernel_options=kernel_options)
+    truth = loss_and_grads(attention, *(x.astype(jnp.float32) for x in (q, k, v, do)), params, backend="reference")
+    ref = loss_and_grads(attention, q, k, v, do, params, backend="reference")
+    assert_close(f"{name}/bfloat16", got, truth, ref, jnp.bfloat16)
+
+
+def _shard(names, spec: str):
+    i, n = (int(x) for x in spec.split("/"))
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard must be i/n with 0 <= i < n, got {spec!r}")
+    return names[i::n]
+
+
+def _write(path: str, record: dict) -> None:
+    # One write per line in append mode: lines from parallel shards do not interleave.
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON lines file to append to")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
+    parser.add_argument("--cases", default="", help="comma-separated catalog names (default: all)")
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpreter instead of the GPU")
+    args = parser.parse_args()
+    if not args.interpret and jax.default_backend() != "gpu":
+        print(f"no GPU visible to JAX (backend {jax.default_backend()!r}); pass --interpret to run on CPU")
+        return 2
+    names = [c.name for c in CATALOG]
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise SystemExit(f"unknown --cases {unknown}; the catalog has {names}")
+        names = [n for n in names if n in wanted]
+    names = _shard(names, args.shard)
+    options = {"interpret": True} if args.interpret else {"target": "cuda"}
+    _write(args.out, {"kind": "start", "shard": args.shard, "cases": names, "jax": jax.__version__,
+                      "device": str(jax.devices()[0]), "kernel_options": options})
+    failed = 0
+    for name in names:
+        start = time.perf_counter()
+        record = {"kind": "test", "case": name, "shard": args.shard}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                check(name, options)
+                record["outcome"] = "passed"
+            except AssertionError as e:
+                record.update(outcome="failed", error=str(e)[:2000])
+            except Exception as e:  # noqa: BLE001  (a compile error is this case's result, not the run's end)
+                record.update(outcome="error", error=f"{type(e).__name__}: {str(e)[:2000]}",
+                              traceback=traceback.format_exc()[-4000:])
+        record["wall_s"] = round(time.perf_counter() - start, 2)
+        record["warnings"] = sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})
+        failed += record["outcome"] != "passed"
+        _write(args.out, record)
+        print(f"{record['outcome']:7s} {name} ({record['wall_s']} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

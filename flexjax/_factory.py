@@ -1,0 +1,106 @@
+"""What the mask and mod factories share: picklable named callables and parameter checks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def named(fn: Callable, name: str, **params) -> functools.partial:
+    """``functools.partial(fn, **params)`` whose ``__name__`` is ``name``.
+
+    Factories return these rather than closures: plain ``pickle`` stores a partial of a
+    module-level function with its parameters, but cannot store a local function.
+    """
+    mod = functools.partial(fn, **params)
+    mod.__name__ = mod.__qualname__ = name
+    return mod
+
+
+def replicated(x: jax.Array) -> jax.Array:
+    """``x``, gathered whole onto every device when it is sharded over Explicit mesh axes.
+
+    Mods read captured arrays at data-dependent indices (``ids[b, q_idx]``), which JAX
+    cannot type on an Explicit-sharded axis (e.g. document ids sharded with the batch);
+    such arrays are small next to q/k/v, so every device keeps all of them.
+    """
+    sharding = jax.typeof(x).sharding
+    if all(e is None for e in sharding.spec):
+        return x
+    return jax.reshard(x, NamedSharding(sharding.mesh, P()))
+
+
+def is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def describe(x) -> str:
+    """``x``'s type for error messages: ``float``, or ``float32 array of shape (3,)``."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return f"{'traced ' if is_traced(x) else ''}{x.dtype} array of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def int_param(caller: str, name: str, value, minimum: int | None = None,
+              expected: str = "an int or an integer scalar array") -> int | jax.Array:
+    """``value`` as a Python int checked against ``minimum``; a traced integer scalar as is.
+
+    A traced value (a parameter known only inside ``jit``) cannot be checked: it is
+    returned as an int32 array and the mask captures it.
+
+    Raises:
+      TypeError: ``value`` is neither an int nor an integer scalar array.
+      ValueError: a concrete ``value`` below ``minimum``.
+    """
+    is_int_array = (isinstance(value, (jax.Array, np.ndarray)) and value.shape == ()
+                    and jnp.issubdtype(value.dtype, jnp.integer))
+    if is_traced(value) and is_int_array:
+        return value.astype(jnp.int32)
+    if is_int_array:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{caller}: {name} must be {expected}, got {describe(value)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{caller}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def batch_param(caller: str, name: str, value, hint: str = "") -> jax.Array:
+    """A ``(B,)`` integer array (may be traced); with ``B == 1`` its one entry, a scalar.
+
+    The scalar means the mask does not read ``b``, so it can be built with ``B=None``.
+
+    Raises:
+      TypeError: not an integer array.
+      ValueError: not of shape ``(B,)`` with ``B >= 1``.
+    """
+    arr = replicated(jnp.asarray(value))
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{caller}: {name} must be an integer array, got dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] == 0:
+        raise ValueError(f"{caller}: {name} must have shape (B,) with B >= 1, got shape {arr.shape}{hint}")
+    return arr[0] if arr.shape[0] == 1 else arr
+
+
+def int_or_batch_param(caller: str, name: str, value, minimum: int | None = None) -> int | jax.Array:
+    """An int (checked against ``minimum``), a traced integer scalar, or a ``(B,)`` array.
+
+    See ``int_param`` and ``batch_param``.
+    """
+    if jnp.ndim(value) == 0:
+        return int_param(caller, name, value, minimum,
+                         expected="an int, an integer scalar array or a (B,) integer array")
+    return batch_param(caller, name, value, hint="; pass a scalar for one value shared by the batch")
+
+
+def entry(x, i):
+    """``x[i]``, ``i`` clamped into range, for a 1-D ``x``; a scalar ``x`` as is (``i`` unread)."""
+    if jnp.ndim(x) == 0:
+        return x
+    return x[jnp.clip(i, 0, x.shape[0] - 1)]

@@ -1,0 +1,128 @@
+"""benchmarks/gpu_check.sh on this CPU machine: the paths it takes before (and without) a GPU.
+
+The GPU machine has python3 and no .venv, so the script must find python3 there; with no
+GPU it must say so in one line and exit 2. A rehearsal of the whole script on CPU (Pallas'
+interpreter, a tiny benchmark) is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON" and not k.startswith("FLEXJAX_GPU")}
+    # No GPU here either way (CUDA plugins, where installed, would only slow the start),
+    # and no persistent compilation cache unless a test gives one.
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR="")
+    env.update(extra)
+    return env
+
+
+def _run(script, out, env, timeout=60):
+    return subprocess.run(["bash", str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _steps(out):
+    return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def _tree_without_venv(tmp_path):
+    """The script at benchmarks/ of a root that has no .venv."""
+    (tmp_path / "root" / "benchmarks").mkdir(parents=True)
+    script = tmp_path / "root" / "benchmarks" / "gpu_check.sh"
+    shutil.copy(SCRIPT, script)
+    return script
+
+
+def _python3_on_path(tmp_path):
+    """A bin/ whose python3 runs the interpreter of these tests (it has jax), first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    return bin_dir, python3
+
+
+@pytest.mark.skipif(not VENV_PYTHON.exists(), reason="needs the project's .venv")
+def test_no_gpu_is_one_line_and_exit_2(tmp_path):
+    r = _run(SCRIPT, tmp_path / "out", _env())
+    lines = r.stdout.splitlines()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(lines) == 1 and r.stderr == "", r.stdout + r.stderr
+    assert lines[0].startswith("gpu_check: no GPU visible to JAX")
+    assert f"python {VENV_PYTHON}," in lines[0] and "backend cpu" in lines[0]
+    assert (tmp_path / "out" / "error.txt").read_text() == r.stdout
+    assert [(s["step"], s["event"]) for s in _steps(tmp_path / "out")] == [("env", "start"), ("env", "end")]
+
+
+def test_without_venv_it_takes_python3_from_path(tmp_path):
+    script = _tree_without_venv(tmp_path)
+    bin_dir, python3 = _python3_on_path(tmp_path)
+    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    r = _run(script, tmp_path / "out", env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [
+        f"gpu_check: no GPU visible to JAX (python {python3}, jax {jax.__version__}, backend cpu); "
+        f"see {tmp_path / 'out' / 'env.txt'}"]
+    assert f"python {sys.executable}" in (tmp_path / "out" / "env.txt").read_text()
+
+
+def test_without_any_python_it_says_so(tmp_path):
+    script = _tree_without_venv(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "mkdir", "tee"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    r = subprocess.run([shutil.which("bash"), str(script), str(tmp_path / "out")], env=_env(PATH=str(bin_dir)),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert r.stdout == "gpu_check: no python: set PYTHON, create .venv or put python3 on PATH\n"
+
+
+def test_a_cut_step_is_reported_and_fails_the_run(tmp_path):
+    """Tests cut by their timeout: rc 124 in steps.jsonl, exit 1, the benchmark skipped for lack of budget."""
+    script = _tree_without_venv(tmp_path)
+    (script.parent / "gpu_tests.py").write_text("import time\ntime.sleep(60)\n")
+    bin_dir, _ = _python3_on_path(tmp_path)
+    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FLEXJAX_GPU_CHECK_ALLOW_CPU="1",
+               FLEXJAX_GPU_TEST_SHARDS="2", FLEXJAX_GPU_TEST_TIMEOUT_S="1", FLEXJAX_GPU_BUDGET_S="30")
+    r = _run(script, tmp_path / "out", env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    steps = {(s["step"], s["event"]): s["rc"] for s in _steps(tmp_path / "out")}
+    assert steps[("tests", "end")] == 124
+    assert ("bench", "skipped") in steps and ("bench", "start") not in steps
+    assert "gpu_check: tests 0/0 passed, rc 124" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VENV_PYTHON.exists(), reason="needs the project's .venv")
+def test_rehearsal_on_cpu(tmp_path):
+    """The whole script on CPU: two test shards in the interpreter, a tiny benchmark (~40 s)."""
+    env = _env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"), FLEXJAX_GPU_CHECK_ALLOW_CPU="1",
+               FLEXJAX_GPU_TEST_SHARDS="2",
+               FLEXJAX_GPU_TEST_ARGS="--interpret --cases full,causal",
+               FLEXJAX_GPU_BENCH_ARGS="--lengths 128 --shape 1,1,16 --impls xla,cudnn --variants causal,documents")
+    out = tmp_path / "out"
+    r = _run(SCRIPT, out, env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tests = [json.loads(line) for line in (out / "gpu_tests.jsonl").read_text().splitlines()]
+    assert sorted(t["case"] for t in tests if t["kind"] == "test" and t["outcome"] == "passed") == ["causal", "full"]
+    bench = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert sum(b["kind"] == "time" for b in bench) == 4  # xla: 2 variants x fwd, fwd+bwd
+    assert {b["impl"] for b in bench if b["kind"] == "skip"} == {"cudnn"}  # no cuDNN on CPU
+    assert len(json.loads((out / "bench.json").read_text())["rows"]) == 4
