@@ -421,20 +421,21 @@ def check_broadcast(mask: StaticMod | None, B, H, *, data_shape: tuple[int, int]
     """
     if mask is None:
         return
-    for axis, name, size, what, count in (("b", "B", B, "batch element", "batch size"),
-                                          ("h", "H", H, "head", "number of query heads")):
+    for axis, name, size, first, every, count in (
+            ("b", "B", B, "batch 0", "batch element", "batch size"),
+            ("h", "H", H, "head 0", "head", "number of query heads")):
         if axis not in mask.uses:
             continue
         if data_shape is None and size is None:
             raise ValueError(
-                f"mask_mod {mask.name!r} reads {axis}, so {name}=None would use {what} 0's mask for every "
-                f"{what}; pass {name}=<{count}> to create_block_mask")
+                f"mask_mod {mask.name!r} reads {axis}, so {name}=None would use {first}'s mask for every "
+                f"{every}; pass {name}=<{count}> to create_block_mask")
         wanted = None if data_shape is None else data_shape[0 if axis == "b" else 1]
         if data_shape is not None and size == 1 and wanted > 1:
             raise ValueError(
                 f"block_mask was built with {name}=1 (or None) but its mask_mod {mask.name!r} reads {axis} and the "
-                f"query has {count} {wanted}; {what} 0's mask would be used for every {what}: rebuild it with "
-                f"create_block_mask(..., {name}={wanted})")
+                f"query has {count} {wanted}, so {first}'s mask would be used for every {every}; rebuild it "
+                f"with create_block_mask(..., {name}={wanted})")
 
 
 def full_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, *, block_size=(128, 128)) -> BlockMask:

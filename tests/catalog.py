@@ -8,6 +8,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import flexjax
 from flexjax import masks, mods
@@ -125,3 +126,19 @@ def loss_and_grads(attention, q, k, v, do, params, **kw):
 
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, params)
     return out, lse, grads
+
+
+def sweep(values, default, ids=None):
+    """pytest params over ``values``; those not in ``default`` are marked slow (``make test-all``).
+
+    Keeps the default suite within its time budget while the full grid still runs.
+    """
+    ids = ids or [None] * len(values)
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i,
+                         marks=() if v in default else pytest.mark.slow) for v, i in zip(values, ids)]
+
+
+def rotating_shapes():
+    """(case name, shape name) pairs: every case once, the shapes taken in turn (the default grid)."""
+    names = list(SHAPES)
+    return [(c.name, names[n % len(names)]) for n, c in enumerate(CATALOG)]

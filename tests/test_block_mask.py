@@ -54,7 +54,7 @@ MASKS = {
 }
 
 
-@settings(max_examples=25, deadline=None)
+@settings(deadline=None)  # examples per run: the profile in conftest.py
 @given(
     name=st.sampled_from(sorted(MASKS)),
     B=st.integers(1, 2),

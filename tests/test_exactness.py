@@ -3,6 +3,7 @@ float64, kernel_options and mod errors (each case once failed or misbehaved sile
 
 from __future__ import annotations
 
+import catalog
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,6 @@ import pytest
 
 import flexjax
 from flexjax import flex_attention, masks, mods
-import catalog
 
 
 def _qkv(B=2, S=64, H=2, D=8, dtype=jnp.float32, seed=0):
@@ -29,8 +29,8 @@ def _reads_h(b, h, q_idx, kv_idx):
 
 
 def test_create_block_mask_refuses_none_for_an_axis_the_mask_reads():
-    with pytest.raises(ValueError, match=r"mask_mod 'document' reads b, so B=None would use batch element 0's mask"
-                                         r".*pass B=<batch size>"):
+    with pytest.raises(ValueError, match=r"mask_mod 'document' reads b, so B=None would use batch 0's mask for every batch element"
+                                         r"; pass B=<batch size>"):
         flexjax.create_block_mask(masks.document(_per_batch_ids()), None, None, 64, 64, block_size=16)
     with pytest.raises(ValueError, match=r"'_reads_h' reads h, so H=None.*pass H=<number of query heads>"):
         flexjax.create_block_mask(_reads_h, 2, None, 64, 64, block_size=16)
@@ -88,9 +88,13 @@ def test_torch_layout_hint_in_the_length_error():
 
 # -- 3a. rows whose scores are all very negative but finite -------------------------------
 
-@pytest.mark.parametrize("value", [float(jnp.finfo(jnp.float32).min), -1e38, -1e30])
-@pytest.mark.parametrize("options", [None, {"block_q": 32, "block_kv": 16}], ids=["band", "loops"])
-def test_very_negative_rows_attend_uniformly(value, options):
+_FMIN = float(jnp.finfo(jnp.float32).min)
+_ROWS = [(value, path) for path in ("band", "loops") for value in (_FMIN, -1e38, -1e30)]
+
+
+@pytest.mark.parametrize("value,path", catalog.sweep(_ROWS, _ROWS[:4], ids=[f"{p}{v:g}" for v, p in _ROWS]))
+def test_very_negative_rows_attend_uniformly(value, path):
+    options = {"band": None, "loops": {"block_q": 32, "block_kv": 16}}[path]
     q, k, v = _qkv(B=1)
     do = jax.random.normal(jax.random.PRNGKey(9), q.shape)
 
@@ -141,7 +145,11 @@ def test_float64_reference_is_float64():
         assert np.abs(np.asarray(out) - want).max() < 1e-12
 
 
-@pytest.mark.parametrize("case", [c.name for c in catalog.CATALOG])
+_F64_DEFAULT = ("causal+soft_cap", "prefix_lm+relative_bias", "document+t5", "fully_masked_rows")
+
+
+@pytest.mark.parametrize("case", catalog.sweep([c.name for c in catalog.CATALOG], _F64_DEFAULT,
+                                               ids=[c.name for c in catalog.CATALOG]))
 def test_float64_xla_matches_reference_on_the_catalog(case):
     shape = (2, 80, 72, 2, 1, 8, 8)  # GQA, Sq != Skv, lengths not multiples of the block
     with jax.enable_x64(True):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from catalog import sweep
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -105,9 +106,13 @@ def _float_collectives(compiled) -> list[tuple[str, str]]:
 
 
 CASES = [(t, layout, kind) for t in ("explicit", "auto") for layout in LAYOUTS for kind in KINDS]
+# Default: every Explicit case and, on Auto axes, each kind once on a different layout;
+# `make test-all` runs them all.
+DEFAULT = [c for c in CASES if c[0] == "explicit"] + [
+    ("auto", layout, kind) for layout, kind in zip(("heads", "batch_heads", "batch"), KINDS)]
 
 
-@pytest.mark.parametrize("axis_type,layout,kind", CASES)
+@pytest.mark.parametrize("axis_type,layout,kind", sweep(CASES, DEFAULT, ids=["-".join(c) for c in CASES]))
 def test_jit_and_grad_match_one_device(axis_type, layout, kind):
     """Output, lse and gradients under jit(value_and_grad) equal one device's; nothing big moves."""
     mesh = _mesh(AxisType.Explicit if axis_type == "explicit" else AxisType.Auto)

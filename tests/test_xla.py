@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads
+from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads, rotating_shapes, sweep
 from checks import assert_close
 
 import flexjax
@@ -41,21 +41,31 @@ def _check(case, shape, dtype, kernel_options=None):
     assert_close(f"{case.name}/{dtype.__name__}", got, truth, ref, dtype)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-@pytest.mark.parametrize("case", CATALOG, ids=[c.name for c in CATALOG])
-def test_catalog_float32(case, shape):
-    _check(case, SHAPES[shape], jnp.float32, SMALL_TILES)
+_GRID = [(c.name, s) for c in CATALOG for s in SHAPES]
 
 
-@pytest.mark.parametrize("case", CATALOG, ids=[c.name for c in CATALOG])
-def test_catalog_default_tiles(case):
-    _check(case, SHAPES["gqa_unequal"], jnp.float32)
+# Default: every case once, on the shapes in turn; `make test-all` runs the whole grid.
+@pytest.mark.parametrize("name,shape", sweep(_GRID, rotating_shapes(), ids=[f"{c}-{s}" for c, s in _GRID]))
+def test_catalog_float32(name, shape):
+    _check(BY_NAME[name], SHAPES[shape], jnp.float32, SMALL_TILES)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("name", ["causal+soft_cap", "prefix_lm+relative_bias", "fully_masked_rows", "document+t5"])
+# The default tiles pick the band forward for narrow masks and the loops otherwise.
+_DEFAULT_TILES = ("full", "causal+soft_cap", "sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
+
+
+@pytest.mark.parametrize("name", sweep([c.name for c in CATALOG], _DEFAULT_TILES, ids=[c.name for c in CATALOG]))
+def test_catalog_default_tiles(name):
+    _check(BY_NAME[name], SHAPES["gqa_unequal"], jnp.float32)
+
+
+_LOW = [(n, d) for n in ("causal+soft_cap", "prefix_lm+relative_bias", "fully_masked_rows", "document+t5")
+        for d in ("bf16", "f16")]
+
+
+@pytest.mark.parametrize("name,dtype", sweep(_LOW, _LOW[0::3], ids=[f"{n}-{d}" for n, d in _LOW]))
 def test_catalog_low_precision(name, dtype):
-    _check(BY_NAME[name], SHAPES["gqa_unequal"], dtype, SMALL_TILES)
+    _check(BY_NAME[name], SHAPES["gqa_unequal"], {"bf16": jnp.bfloat16, "f16": jnp.float16}[dtype], SMALL_TILES)
 
 
 def test_deterministic():
