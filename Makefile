@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
+	FLEXJAX_HYPOTHESIS=all $(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
 
 # AOT compile suite (tests_compile/): its own venv, since the CUDA plugin it installs logs an
 # error at every `import jax` on a host without a GPU, which `make test` must not see.

@@ -73,9 +73,9 @@ _CUDA = {
     # fwd 128x64/8w/3st: 254 regs, 0 spills, 192 KiB. bwd 64x64/4w: dK/dV spilled 180 B,
     # 64x64/8w 32 B, 64x32/4w 8 B; 32x64/8w: 248 (dQ) / 174 (dK/dV) regs, 0 spills.
     (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
-    # fwd 128x64/3st needs 256 KiB; 128x32/8w/3st: 235 regs, 192 KiB. bwd 32x64/8w/2st:
-    # 181 / 249 regs, 0 spills, 108 KiB.
-    (2, 256): (128, 32, 8, 3, 32, 64, 8, 2),
+    # fwd 128x64/3st needs 256 KiB; 128x32/8w/3st: 235 regs, 192 KiB. bwd 32x64/8w: dK/dV
+    # 249 regs, spilled 24 B (neg_inf_score); 16x64/8w/2st: 179 / 216 regs, 0 spills, 86 KiB.
+    (2, 256): (128, 32, 8, 3, 16, 64, 8, 2),
     # fwd 128x64/4w spilled 88-292 B, 8w 0 B; 128x32/8w: 188 regs, 104 KiB. bwd 64x64/4w:
     # dK/dV spilled up to 308 B, 8w 276 B; 32x64/8w: 244 / 254 regs, 0 spills.
     (4, 64): (128, 32, 8, 3, 32, 64, 8, 2),
@@ -194,6 +194,10 @@ def unsupported_reason(spec, q, k, v):
             if getattr(o, f) % base:
                 return (f"TPU tiles must be multiples of the BlockMask's block ({base}), got {f}={getattr(o, f)}; "
                         "set kernel_options or rebuild the BlockMask with a smaller block_size")
+    if o.target == "tpu" and not o.interpret and q.dtype == jnp.float16:
+        # Measured by tests_compile on v5e: every kernel fails in Mosaic with "Invalid vector type for load".
+        return ("Mosaic TPU cannot load float16 vectors (TPU v5e: 'Invalid vector type for load'); pass "
+                "bfloat16 or float32 inputs, or use backend='xla'")
     if o.target == "tpu" and not o.interpret:
         for f in _TILE_FIELDS:
             val, unit = getattr(o, f), (128 if "kv" in f else 8)
