@@ -9,6 +9,6 @@ if "xla_force_host_platform_device_count" not in flags:
 
 from hypothesis import settings  # noqa: E402
 
-settings.register_profile("default", max_examples=10)
+settings.register_profile("default", max_examples=6)
 settings.register_profile("all", max_examples=50)
 settings.load_profile(os.environ.get("FLEXJAX_HYPOTHESIS", "default"))

@@ -43,7 +43,7 @@ def test_scale_and_lse_semantics():
     np.testing.assert_allclose(np.asarray(default), np.asarray(explicit), atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "xla"])
 def test_fully_masked_rows(backend):
     q, k, v = _qkv(Sq=20, Skv=20)
     bm = flexjax.create_block_mask(lambda b, h, qi, kv: (qi >= 8) & (kv <= qi), None, None, 20, 20, block_size=8)
@@ -54,7 +54,7 @@ def test_fully_masked_rows(backend):
     assert all(np.isfinite(np.asarray(x)).all() for x in g)
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "xla"])
 def test_check_grads_with_captured_table(backend):
     q, k, v = _qkv(B=1, Sq=12, Skv=12, Hq=2, Hkv=1, D=4, Dv=3)
     table = 0.5 * jax.random.normal(jax.random.PRNGKey(3), (2, 23))
@@ -166,7 +166,7 @@ def _python_if(score, b, h, q_idx, kv_idx):
     return -score
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "xla"])
 def test_grads_with_and_without_captured_table_differentiated(backend):
     """The backward skips gradients of captured arrays nobody differentiates; the rest stay exact."""
     q, k, v = _qkv(B=1, Sq=40, Skv=40, Hq=2, Hkv=2, D=8, Dv=8)

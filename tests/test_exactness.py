@@ -29,8 +29,8 @@ def _reads_h(b, h, q_idx, kv_idx):
 
 
 def test_create_block_mask_refuses_none_for_an_axis_the_mask_reads():
-    with pytest.raises(ValueError, match=r"mask_mod 'document' reads b, so B=None would use batch 0's mask for every batch element"
-                                         r"; pass B=<batch size>"):
+    with pytest.raises(ValueError, match=r"mask_mod 'document' reads b, so B=None would use batch 0's mask for every "
+                                         r"batch element; pass B=<batch size>"):
         flexjax.create_block_mask(masks.document(_per_batch_ids()), None, None, 64, 64, block_size=16)
     with pytest.raises(ValueError, match=r"'_reads_h' reads h, so H=None.*pass H=<number of query heads>"):
         flexjax.create_block_mask(_reads_h, 2, None, 64, 64, block_size=16)
@@ -92,7 +92,7 @@ _FMIN = float(jnp.finfo(jnp.float32).min)
 _ROWS = [(value, path) for path in ("band", "loops") for value in (_FMIN, -1e38, -1e30)]
 
 
-@pytest.mark.parametrize("value,path", catalog.sweep(_ROWS, _ROWS[:4], ids=[f"{p}{v:g}" for v, p in _ROWS]))
+@pytest.mark.parametrize("value,path", catalog.sweep(_ROWS, [_ROWS[0], _ROWS[5]], ids=[f"{p}{v:g}" for v, p in _ROWS]))
 def test_very_negative_rows_attend_uniformly(value, path):
     options = {"band": None, "loops": {"block_q": 32, "block_kv": 16}}[path]
     q, k, v = _qkv(B=1)
@@ -145,7 +145,7 @@ def test_float64_reference_is_float64():
         assert np.abs(np.asarray(out) - want).max() < 1e-12
 
 
-_F64_DEFAULT = ("causal+soft_cap", "prefix_lm+relative_bias", "document+t5", "fully_masked_rows")
+_F64_DEFAULT = ("prefix_lm+relative_bias", "document+t5")
 
 
 @pytest.mark.parametrize("case", catalog.sweep([c.name for c in catalog.CATALOG], _F64_DEFAULT,

@@ -106,10 +106,11 @@ def _float_collectives(compiled) -> list[tuple[str, str]]:
 
 
 CASES = [(t, layout, kind) for t in ("explicit", "auto") for layout in LAYOUTS for kind in KINDS]
-# Default: every Explicit case and, on Auto axes, each kind once on a different layout;
+# Default: each layout and kind at least once on Explicit axes, head and batch sharding on Auto;
 # `make test-all` runs them all.
-DEFAULT = [c for c in CASES if c[0] == "explicit"] + [
-    ("auto", layout, kind) for layout, kind in zip(("heads", "batch_heads", "batch"), KINDS)]
+DEFAULT = [("explicit", "batch", "document"), ("explicit", "heads", "causal"),
+           ("explicit", "batch_heads", "relative_bias"), ("explicit", "batch_heads", "document"),
+           ("auto", "heads", "relative_bias"), ("auto", "batch", "document")]
 
 
 @pytest.mark.parametrize("axis_type,layout,kind", sweep(CASES, DEFAULT, ids=["-".join(c) for c in CASES]))

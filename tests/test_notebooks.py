@@ -22,7 +22,11 @@ def test_notebooks_exist():
     assert len(NAMES) >= 4, NAMES
 
 
-@pytest.mark.parametrize("name", NAMES)
+# `make test` runs the quickstart and the performance plots; `make test-all` every notebook.
+DEFAULT = ("01_quickstart.ipynb", "04_performance.ipynb")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in NAMES])
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("FLEXJAX_NOTEBOOK_SMALL", os.environ.get("FLEXJAX_NOTEBOOK_SMALL", "1"))
     # The kernel inherits this environment; the simulated 8-device CPU of conftest.py is

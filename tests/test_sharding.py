@@ -118,7 +118,7 @@ CASES = [
 
 
 # `make test-all` runs every case; the default suite skips those another case nearly repeats.
-SLOW = {CASES[1], CASES[2], CASES[4], CASES[6]}
+SLOW = {CASES[1], CASES[2], CASES[4], CASES[6], CASES[9]}
 
 
 @pytest.mark.parametrize("mask_kind,kv_seq,permuted,mesh_kind,heads,hkv",
@@ -186,6 +186,7 @@ def _balance(permuted, strategy_kv):
         return visited_tiles(bm)
 
 
+@pytest.mark.slow
 def test_load_balance_causal_16k_four_shards():
     """Causal S=16384 on 4 context shards: permuted order balances the tiles per shard."""
     plain = _balance(False, None)[:, 0]

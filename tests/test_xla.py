@@ -45,13 +45,15 @@ _GRID = [(c.name, s) for c in CATALOG for s in SHAPES]
 
 
 # Default: every case once, on the shapes in turn; `make test-all` runs the whole grid.
-@pytest.mark.parametrize("name,shape", sweep(_GRID, rotating_shapes(), ids=[f"{c}-{s}" for c, s in _GRID]))
+# ("full" and "causal" are covered by the API tests and the other cases' tiles.)
+@pytest.mark.parametrize("name,shape", sweep(_GRID, [p for p in rotating_shapes() if p[0] not in ("full", "causal")],
+                                             ids=[f"{c}-{s}" for c, s in _GRID]))
 def test_catalog_float32(name, shape):
     _check(BY_NAME[name], SHAPES[shape], jnp.float32, SMALL_TILES)
 
 
 # The default tiles pick the band forward for narrow masks and the loops otherwise.
-_DEFAULT_TILES = ("full", "causal+soft_cap", "sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
+_DEFAULT_TILES = ("sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
 
 
 @pytest.mark.parametrize("name", sweep([c.name for c in CATALOG], _DEFAULT_TILES, ids=[c.name for c in CATALOG]))
@@ -63,7 +65,7 @@ _LOW = [(n, d) for n in ("causal+soft_cap", "prefix_lm+relative_bias", "fully_ma
         for d in ("bf16", "f16")]
 
 
-@pytest.mark.parametrize("name,dtype", sweep(_LOW, _LOW[0::3], ids=[f"{n}-{d}" for n, d in _LOW]))
+@pytest.mark.parametrize("name,dtype", sweep(_LOW, [_LOW[0], _LOW[3]], ids=[f"{n}-{d}" for n, d in _LOW]))
 def test_catalog_low_precision(name, dtype):
     _check(BY_NAME[name], SHAPES["gqa_unequal"], {"bf16": jnp.bfloat16, "f16": jnp.float16}[dtype], SMALL_TILES)
 
@@ -84,6 +86,7 @@ def test_fully_masked_rows_are_zero_with_finite_grads():
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_long_sequence_smoke():
     """S=4096 causal with soft-cap, forward and backward, against the reference on a slice."""
     B, S, H, D = 1, 4096, 2, 16
@@ -116,7 +119,8 @@ def test_default_backend_on_cpu_is_xla():
     assert platform_backends("cpu")[0] == "xla"
 
 
-@pytest.mark.parametrize("S, window, block", [(128, 32, 32), (256, 64, 64), (300, 40, 64), (1024, 100, 128)])
+@pytest.mark.parametrize("S, window, block", [(128, 32, 32), pytest.param(256, 64, 64, marks=pytest.mark.slow),
+                                              (300, 40, 64), pytest.param(1024, 100, 128, marks=pytest.mark.slow)])
 def test_band_forward_small_blocks(S, window, block):
     """Band-like masks take the band forward; its q tiles must match the mask's blocks."""
     q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 1, S, 2, 16))
