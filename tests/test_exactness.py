@@ -207,3 +207,20 @@ def test_reduction_over_an_axis_in_a_mod():
 
     with pytest.raises(TypeError, match=r"mask_mod 'reduces'.*scalar semantics.*axis"):
         flexjax.create_block_mask(reduces, None, None, 64, 64)
+
+
+@pytest.mark.xfail(strict=True, reason="pallas recomputes P = exp(s - lse) in its backward; at |lse| ~ 1e30 float32 "
+                                       "lse has lost log(l), so dV of such rows is wrong (the xla backend keeps the "
+                                       "row max and log-sum apart); the pallas kernels need the same residuals")
+def test_pallas_backward_of_very_negative_rows():
+    q, k, v = _qkv(B=1)
+    do = jax.random.normal(jax.random.PRNGKey(9), q.shape)
+    bm = flexjax.create_block_mask(masks.causal, None, None, 64, 64, block_size=16)
+
+    def hf_style(score, b, h, q_idx, kv_idx):
+        return jnp.where(q_idx < 20, -1e30, score)
+
+    def grads(backend):
+        return jax.grad(lambda v: jnp.sum(flex_attention(q, k, v, hf_style, bm, backend=backend) * do))(v)
+
+    np.testing.assert_allclose(np.asarray(grads("pallas")), np.asarray(grads("reference")), atol=1e-4)
