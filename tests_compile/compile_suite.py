@@ -39,9 +39,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGET_CONFIG = os.path.join(HERE, "h100_target_config.txtpb")
 # Set before jax is first imported (by the catalog): no GPU here, and the CUDA plugin
-# must not check for one.
+# must not check for one. libtpu lets one process at a time load it unless told otherwise
+# (with 2 workers the second died on /tmp/libtpu_lockfile); these workers only compile.
 ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_ENABLE_COMPILATION_CACHE": "false",
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
+       "TF_CPP_MIN_LOG_LEVEL": "2", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 os.environ.update(ENV)
 
 DTYPES = ("bfloat16", "float16", "float32")

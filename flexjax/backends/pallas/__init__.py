@@ -227,19 +227,41 @@ def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
 
+# Rows whose max score is at least this large in magnitude are recomputed in the backward
+# from their max and sum rather than from lse: in float32, lse = max + log(sum) keeps
+# log(sum) only to ulp(max) (at 2**12, 2.4e-4 relative in P; at 1e30, not at all).
+_HUGE_ROW = 2.0**12
+
+
 def forward(spec, q, k, v, score_consts, mask_consts, lists):
+    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+    return out, lse
+
+
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
+    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32."""
     o = _resolve(spec, q.shape[-1], q.dtype)
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
-    out, lse = _template(o).forward(g, mods, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
-                                    target=o.target, interpret=o.interpret,
-                                    warps=o.num_warps, stages=o.num_stages)
-    B, Sq, Hq, _ = q.shape
-    return out[:, :Sq, :, : v.shape[-1]], lse[:, :, :Sq, 0]
+    out, row_max, row_sum = _template(o).forward(g, mods, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
+                                                 target=o.target, interpret=o.interpret,
+                                                 warps=o.num_warps, stages=o.num_stages)
+    Sq = q.shape[1]
+    row_max, row_sum = row_max[:, :, :Sq, 0], row_sum[:, :, :Sq, 0]
+    lse = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)
+    return out[:, :Sq, :, : v.shape[-1]], lse, (row_max, row_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None,
+             residuals=None):
+    """dq, dk, dv and the score_mod's captured-array gradients.
+
+    ``residuals``: the (row max, row sum) of ``forward_with_residuals``. Rows with a huge
+    max (see ``_HUGE_ROW``) then run the kernels with their max in lse's place, which
+    gives P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS =
+    P (dP - delta) come out exact.
+    """
     o = _resolve(spec, q.shape[-1], q.dtype)
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
@@ -248,10 +270,19 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     Dv = v.shape[-1]
     # delta = rowsum(dO * O); a cotangent on lse adds P * dlse to dS, i.e. delta - dlse.
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = pad_axis(delta - dlse.astype(jnp.float32), 2, g.sq)[..., None]
+    delta = delta - dlse.astype(jnp.float32)
     # Rows with no allowed key (lse -inf) and padded rows only meet masked pairs; a finite
     # lse keeps exp(s - lse) from overflowing there before the mask zeroes it.
-    lse_safe = pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse), 2, g.sq)[..., None]
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    if residuals is not None:
+        row_max, row_sum = residuals
+        huge = (jnp.abs(row_max) >= _HUGE_ROW) & (row_sum > 0)
+        inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
+        lse_safe = jnp.where(huge, row_max, lse_safe)
+        delta = delta * inv_sum
+        dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
+    delta = pad_axis(delta, 2, g.sq)[..., None]
+    lse_safe = pad_axis(lse_safe, 2, g.sq)[..., None]
     dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
     dq, dk, dv, d_rows, d_cols, d_arrays = _template(o).backward(
         g, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,

@@ -126,7 +126,7 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes):
     it = iter(refs)
     kv_n, kv_i, fkv_n, fkv_i, q_ref, k_ref, v_ref = _take(it, 7)
     s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
-    o_ref, lse_ref = _take(it, 2)
+    o_ref, m_ref, l_ref = _take(it, 3)
     i, bh = pl.program_id(0), pl.program_id(1)
     b, h = _div(bh, g.Hq), _rem(bh, g.Hq)
     prog = _Program(g, b, h)
@@ -152,14 +152,16 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes):
              jnp.zeros((g.tq, dv), jnp.float32))
     carry = _walk(kv_n, kv_i, prog, h, row, g.sub_k, body(True), carry)
     carry = _walk(fkv_n, fkv_i, prog, h, row, g.sub_k, body(False), carry)
-    out, lse = finish(carry)
+    out, m, l = finish(carry)
     o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    m_ref[...] = m
+    l_ref[...] = l
 
 
 def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue, *,
             target: str | None, interpret: bool, warps: int, stages: int):
-    """q (B, sq, Hq, D), k/v (B, skv, Hkv, .) padded; returns out (B, sq, Hq, Dv), lse (B, Hq, sq, 1)."""
+    """q (B, sq, Hq, D), k/v (B, skv, Hkv, .) padded; returns out (B, sq, Hq, Dv) and each row's max and
+    sum (B, Hq, sq, 1) float32 (see ``_tile.finish``)."""
     G, Hq = g.G, g.Hq
     kv_n, kv_i, fkv_n, fkv_i = lists[:4]
     D, Dv = q.shape[-1], v.shape[-1]
@@ -169,17 +171,17 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
         pl.BlockSpec((None, g.skv, None, D), lambda i, bh: (bh // Hq, 0, (bh % Hq) // G, 0)),
         pl.BlockSpec((None, g.skv, None, Dv), lambda i, bh: (bh // Hq, 0, (bh % Hq) // G, 0)),
     ] + [_whole(x) for x in pro_args]
-    out_specs = [pl.BlockSpec((None, g.tq, None, Dv), lambda i, bh: (bh // Hq, i, bh % Hq, 0)),
-                 pl.BlockSpec((None, None, g.tq, 1), lambda i, bh: (bh // Hq, bh % Hq, i, 0))]
+    vec_spec = pl.BlockSpec((None, None, g.tq, 1), lambda i, bh: (bh // Hq, bh % Hq, i, 0))
+    out_specs = [pl.BlockSpec((None, g.tq, None, Dv), lambda i, bh: (bh // Hq, i, bh % Hq, 0)), vec_spec, vec_spec]
     kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro))
-    out, lse = pl.pallas_call(
+    vec = jax.ShapeDtypeStruct((g.B, Hq, g.sq, 1), jnp.float32)
+    out, row_max, row_sum = pl.pallas_call(
         kernel, grid=(g.sq // g.tq, g.B * Hq), in_specs=in_specs, out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct((g.B, g.sq, Hq, Dv), q.dtype),
-                   jax.ShapeDtypeStruct((g.B, Hq, g.sq, 1), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((g.B, g.sq, Hq, Dv), q.dtype), vec, vec],
         interpret=interpret, compiler_params=_compiler_params(target, interpret, warps, stages),
         name="flexjax_fwd",
     )(kv_n, kv_i, fkv_n, fkv_i, q, k, v, *pro_args)
-    return out, lse
+    return out, row_max, row_sum
 
 
 # -- backward: dQ ----------------------------------------------------------------------------

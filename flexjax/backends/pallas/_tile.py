@@ -100,12 +100,15 @@ def softmax_step(carry, s, v):
 
 
 def finish(carry):
-    """(out (tq, Dv), lse (tq, 1)) from the final carry; out 0 and lse -inf on empty rows."""
+    """(out (tq, Dv), row max (tq, 1), row sum (tq, 1)) from the final carry.
+
+    Out is 0 and the max 0 on empty rows (sum 0). The max and sum stay apart (lse =
+    max + log(sum) is formed outside): at |max| ~ 1e30 float32 lse has lost log(sum),
+    which the backward needs.
+    """
     m, l, acc = carry
-    l_safe = jnp.where(l > 0, l, 1.0)
-    out = acc / l_safe
-    lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
-    return out, lse
+    out = acc / jnp.where(l > 0, l, 1.0)
+    return out, jnp.where(l > 0, m, 0.0), l
 
 
 def forward_tile(mods, carry, q, k, v, t: Tile, scale, masked: bool, score_in: ModInputs, mask_in: ModInputs):

@@ -76,7 +76,7 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros):
     lists = tuple(next(it) for _ in range(4))
     q_ref, k_ref, v_ref = next(it), next(it), next(it)
     s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = it
+    o_ref, max_ref, sum_ref, m_sc, l_sc, acc_sc = it
     b, h, i, t = (pl.program_id(a) for a in range(4))
     blk, partial, active = _lists_at(g, lists, b, h, i, t)
 
@@ -97,9 +97,10 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros):
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
-        out, lse = finish((m_sc[...], l_sc[...], acc_sc[...]))
+        out, row_max, row_sum = finish((m_sc[...], l_sc[...], acc_sc[...]))
         o_ref[...] = out.astype(o_ref.dtype)
-        lse_ref[...] = lse
+        max_ref[...] = row_max
+        sum_ref[...] = row_sum
 
 
 def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue, *,
@@ -124,20 +125,20 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
     q_spec = pl.BlockSpec((None, None, g.tq, D), lambda b, h, i, t, *_: (b, h, i, 0))
     in_specs = [q_spec, pl.BlockSpec((None, None, g.tk, D), kv_map), pl.BlockSpec((None, None, g.tk, Dv), kv_map)]
     in_specs += _mod_specs(mods.score, s_pro, g, row_map, col_map) + _mod_specs(mods.mask, m_pro, g, row_map, col_map)
-    out_specs = [pl.BlockSpec((None, None, g.tq, Dv), lambda b, h, i, t, *_: (b, h, i, 0)),
-                 pl.BlockSpec((None, None, g.tq, 1), lambda b, h, i, t, *_: (b, h, i, 0))]
+    vec_spec = pl.BlockSpec((None, None, g.tq, 1), lambda b, h, i, t, *_: (b, h, i, 0))
+    out_specs = [pl.BlockSpec((None, None, g.tq, Dv), lambda b, h, i, t, *_: (b, h, i, 0)), vec_spec, vec_spec]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4, grid=(g.B, g.Hq, g.sq // g.tq, nsteps), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((g.tq, 1), jnp.float32), pltpu.VMEM((g.tq, 1), jnp.float32),
                         pltpu.VMEM((g.tq, Dv), jnp.float32)])
     kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro))
-    out, lse = pl.pallas_call(
+    vec = jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32)
+    out, row_max, row_sum = pl.pallas_call(
         kernel, grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, Dv), q.dtype),
-                   jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, Dv), q.dtype), vec, vec],
         compiler_params=_params(3), interpret=interpret, name="flexjax_fwd",
     )(*L, qt, kt, vt, *s_pro.rows, *s_pro.cols, *m_pro.rows, *m_pro.cols)
-    return jnp.swapaxes(out, 1, 2), lse
+    return jnp.swapaxes(out, 1, 2), row_max, row_sum
 
 
 # -- backward --------------------------------------------------------------------------------
