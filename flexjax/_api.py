@@ -254,15 +254,11 @@ def _attention_fwd(backend_name, spec, q, k, v, score_consts, mask_consts, lists
     wants = tuple(() if p.perturbed else None for p in score_consts)
     q, k, v, score_consts, mask_consts, lists = jax.tree.map(
         lambda p: p.value, (q, k, v, score_consts, mask_consts, lists), is_leaf=_is_primal)
-    impl = get_backend(backend_name)
-    # A backend may save more than lse for its backward (the xla backend keeps the row max
-    # and log-sum apart, since lse alone loses log(l) on rows with scores near finfo.min).
-    forward = getattr(impl, "forward_with_residuals", None)
-    if forward is None:
-        (out, lse), extra = impl.forward(spec, q, k, v, score_consts, mask_consts, lists), None
-    else:
-        out, lse, extra = forward(spec, q, k, v, score_consts, mask_consts, lists)
-    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists, wants, extra)
+    # Each backend saves what its backward needs beside lse (the kernels keep each row's max
+    # apart from its sum: lse alone loses log(sum) on rows with scores near finfo.min).
+    out, lse, residuals = get_backend(backend_name).forward_with_residuals(
+        spec, q, k, v, score_consts, mask_consts, lists)
+    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists, wants, residuals)
 
 
 def _is_primal(x) -> bool:
@@ -282,13 +278,12 @@ def _instantiate(ct, like):
 
 
 def _attention_bwd(backend_name, spec, res, cts):
-    q, k, v, out, lse, score_consts, mask_consts, lists, wants, extra = res
+    q, k, v, out, lse, score_consts, mask_consts, lists, wants, residuals = res
     dout, dlse = _instantiate(cts[0], out), _instantiate(cts[1], lse)
     grad_consts = tuple(w is not None and jnp.issubdtype(c.dtype, jnp.inexact)
                         for w, c in zip(wants, score_consts))
-    residuals = {} if extra is None else {"residuals": extra}
     dq, dk, dv, dscore = get_backend(backend_name).backward(
-        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=grad_consts, **residuals)
+        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals)
     dscore = tuple(d if want else _zero_cotangent(c) for c, d, want in zip(score_consts, dscore, grad_consts))
     return (dq, dk, dv, dscore, tuple(_zero_cotangent(c) for c in mask_consts),
             tuple(_zero_cotangent(x) for x in lists))

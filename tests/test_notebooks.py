@@ -8,6 +8,7 @@ import os
 import pathlib
 
 import pytest
+from catalog import sweep
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -26,7 +27,7 @@ def test_notebooks_exist():
 DEFAULT = ("01_quickstart.ipynb", "04_performance.ipynb")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in NAMES])
+@pytest.mark.parametrize("name", sweep(NAMES, DEFAULT, ids=NAMES))
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("FLEXJAX_NOTEBOOK_SMALL", os.environ.get("FLEXJAX_NOTEBOOK_SMALL", "1"))
     # The kernel inherits this environment; the simulated 8-device CPU of conftest.py is

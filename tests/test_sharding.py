@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from catalog import sweep
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -122,7 +123,7 @@ SLOW = {CASES[1], CASES[2], CASES[4], CASES[6], CASES[9]}
 
 
 @pytest.mark.parametrize("mask_kind,kv_seq,permuted,mesh_kind,heads,hkv",
-                         [pytest.param(*c, marks=pytest.mark.slow if c in SLOW else ()) for c in CASES])
+                         sweep(CASES, [c for c in CASES if c not in SLOW]))
 def test_matches_single_device(mask_kind, kv_seq, permuted, mesh_kind, heads, hkv):
     """Output, lse and gradients (q, k, v, captured bias table) equal one device's."""
     batch = None if mesh_kind == "context_model" else "data"

@@ -49,6 +49,12 @@ def allowed(spec, mask_consts, b, h, q_idx, kv_idx, q_valid, kv_valid):
     return ok
 
 
+def lse_of(m, l):
+    """log-sum-exp from a row's max ``m`` and sum ``l`` of exp(s - m); -inf where no key contributed."""
+    alive = l > 0
+    return jnp.where(alive, m + jnp.log(jnp.where(alive, l, 1.0)), -jnp.inf)
+
+
 def row_stats(m, l):
     """(lse, row max, log of the row sum) from the running max ``m`` and sum ``l``.
 
@@ -58,8 +64,7 @@ def row_stats(m, l):
     get lse -inf and 0 for the others.
     """
     alive = l > 0
-    log_sum = jnp.log(jnp.where(alive, l, 1.0))
-    return jnp.where(alive, m + log_sum, -jnp.inf), jnp.where(alive, m, 0.0), log_sum
+    return lse_of(m, l), jnp.where(alive, m, 0.0), jnp.log(jnp.where(alive, l, 1.0))
 
 
 def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):

@@ -477,16 +477,13 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
     return out, lse, (row_max, log_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None,
-             residuals=None):
-    """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``
-    (default: every float one); None for the others.
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
+    """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``; None
+    for the others.
 
-    ``residuals``: the (row max, log-sum) of ``forward_with_residuals``; without them P is
-    recomputed from lse, which is exact except on rows whose scores are huge in magnitude.
+    ``residuals``: the (row max, log-sum) of ``forward_with_residuals``: P is recomputed
+    from them, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
     """
-    if grad_consts is None:
-        grad_consts = tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in score_consts)
     g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
     B, Sq, Hq, D = q.shape
     hkv = k.shape[2]
@@ -502,8 +499,6 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     dt = acc_dtype(q.dtype)
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(dt), out.astype(dt)) - dlse
     pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
-    if residuals is None:
-        residuals = (jnp.where(lse == -jnp.inf, 0.0, lse), jnp.zeros_like(lse))
     # Padded rows get max 0 and log-sum 0; every P there is masked to 0 anyway.
     max_t, log_sum_t = (jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows) for x in residuals)
     delta_t = jnp.pad(delta.reshape(B, hkv, Hq // hkv, Sq), pad_rows)

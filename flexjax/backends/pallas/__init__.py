@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._common import lse_of
 from . import _gpu, _tpu
 from ._compiler import compile_mod
 from ._layout import geometry, pad_axis, prologues, score_const_grads
@@ -249,16 +250,14 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
                                                  warps=o.num_warps, stages=o.num_stages)
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq, 0], row_sum[:, :, :Sq, 0]
-    lse = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)
-    return out[:, :Sq, :, : v.shape[-1]], lse, (row_max, row_sum)
+    return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts=None,
-             residuals=None):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
     ``residuals``: the (row max, row sum) of ``forward_with_residuals``. Rows with a huge
-    max (see ``_HUGE_ROW``) then run the kernels with their max in lse's place, which
+    max (see ``_HUGE_ROW``) run the kernels with their max in lse's place, which
     gives P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS =
     P (dP - delta) come out exact.
     """
@@ -274,13 +273,12 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     # Rows with no allowed key (lse -inf) and padded rows only meet masked pairs; a finite
     # lse keeps exp(s - lse) from overflowing there before the mask zeroes it.
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    if residuals is not None:
-        row_max, row_sum = residuals
-        huge = (jnp.abs(row_max) >= _HUGE_ROW) & (row_sum > 0)
-        inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
-        lse_safe = jnp.where(huge, row_max, lse_safe)
-        delta = delta * inv_sum
-        dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
+    row_max, row_sum = residuals
+    huge = (jnp.abs(row_max) >= _HUGE_ROW) & (row_sum > 0)
+    inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
+    lse_safe = jnp.where(huge, row_max, lse_safe)
+    delta = delta * inv_sum
+    dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
     delta = pad_axis(delta, 2, g.sq)[..., None]
     lse_safe = pad_axis(lse_safe, 2, g.sq)[..., None]
     dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
@@ -289,7 +287,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
         target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages)
     # The kernels produce every float array's partial gradients; pulling them back to the
     # captured arrays is skipped when none is differentiated.
-    wanted = grad_consts is None or any(grad_consts)
+    wanted = any(grad_consts)
     dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if wanted
               else tuple(None for _ in score_consts))
     return (dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore)
