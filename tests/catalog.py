@@ -71,6 +71,9 @@ CATALOG = [
          score=lambda p, H, Sq, Skv: mods.t5_relative_bucket_bias(p["table"], 16, 64), params=_t5_table),
     Case("padding", mask=lambda B, H, Sq, Skv: masks.padding(jnp.asarray([Skv - 33, Skv // 3][:B], jnp.int32))),
     Case("chunked_causal", mask=lambda B, H, Sq, Skv: masks.chunked_causal(50)),
+    # Queries after a per-batch KV cache (lengths Skv and Skv - 40): reads b.
+    Case("causal_bottom_right_cache", mask=lambda B, H, Sq, Skv: masks.causal_bottom_right(
+        Sq, jnp.asarray([Skv, Skv - 40][:B], jnp.int32))),
     Case("fully_masked_rows", mask=lambda B, H, Sq, Skv: _late_rows),
     Case("neg_inf_score", mask=lambda B, H, Sq, Skv: masks.causal, score=lambda p, H, Sq, Skv: _neg_inf_far),
     Case("per_head_mask+relative_bias", mask=lambda B, H, Sq, Skv: _head_dependent,
@@ -104,7 +107,7 @@ def build(case: Case, shape, block_size=64):
     if case.per_head_mask:
         bm = flexjax.create_block_mask(mask_mod, B, Hq, Sq, Skv, block_size=block_size)
     else:
-        uses_b = case.name in ("padding", "document+t5")
+        uses_b = case.name in ("padding", "document+t5", "causal_bottom_right_cache")
         bm = flexjax.create_block_mask(mask_mod, B if uses_b else None, None, Sq, Skv, block_size=block_size)
     params = case.params(Hq, Sq, Skv)
 
