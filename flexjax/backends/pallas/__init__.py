@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._modcompiler import compile_mod
 from .._common import lse_of
 from . import _gpu, _tpu
-from ._compiler import compile_mod
 from ._layout import geometry, pad_axis, prologues, score_const_grads
 from ._tile import Mods
 

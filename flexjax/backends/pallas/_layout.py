@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..._modcompiler import CompiledMod
 from .._common import coarse_lists
-from ._compiler import CompiledMod
 from ._tile import Mods
 
 

@@ -1,4 +1,8 @@
-"""The mod compiler: splits a traced mod into an XLA prologue and a kernel part.
+"""The mod compiler of every kernel backend: splits a traced mod into an XLA prologue and a kernel part.
+
+The pallas backend evaluates the kernel part with JAX ops inside its Pallas kernels
+(``CompiledMod.evaluate``); the triton backend generates Triton source from the same
+nodes (``backends/triton/_codegen.py``). Both read the same prologue.
 
 A mod's jaxpr has scalar semantics. Kernels evaluate it on tiles: ``score (tq, tk)``,
 ``q_idx (tq, 1)``, ``kv_idx (1, tk)``, scalars ``b`` and ``h``. Reads of captured arrays
@@ -14,8 +18,10 @@ are the hard part, and the compiler sorts them by what their indices depend on:
   raises.
 
 Every primitive left in the kernel part, and in its VJP, is checked against the
-target's Pallas lowering rules, so an unsupported mod fails here with the primitive's
-name instead of deep inside Triton or Mosaic.
+target's Pallas lowering rules (targets "cuda" and "tpu"), so an unsupported mod fails
+here with the primitive's name instead of deep inside Triton or Mosaic. Target "triton"
+is checked by the Triton code generator itself, which raises on the first primitive it
+has no translation for, before any kernel is built.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from ..._trace import StaticMod
+from ._trace import StaticMod
 
 # Primitives that only rename or reshape a value that has one element per position.
 _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
@@ -46,7 +52,9 @@ _MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
 # Wrappers that Pallas inlines on every target.
 _PLUMBING = frozenset({"jit", "pjit", "stop_gradient"})
 
-TARGETS = ("interpret", "cuda", "tpu")
+TARGETS = ("interpret", "cuda", "tpu", "triton")
+# The backend that compiles for each target (named in error messages).
+_BACKEND = {"interpret": "pallas", "cuda": "pallas", "tpu": "pallas", "triton": "triton"}
 
 _ARG_TAGS = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
 
@@ -99,7 +107,8 @@ def _sub_jaxprs(params):
 class _Flattener:
     """Inlines call primitives so the mod becomes one flat list of nodes."""
 
-    def __init__(self, mod_name: str):
+    def __init__(self, mod_name: str, backend: str = "pallas"):
+        self.backend = backend
         self.nodes: list[Node] = []
         self.avals: dict[int, Any] = {}
         self.count = 0
@@ -124,13 +133,13 @@ class _Flattener:
                 sub = eqn.params.get(_CALLS[name])
                 if sub is None:
                     raise NotImplementedError(
-                        f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
+                        f"the {self.backend} backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
                 sub, consts = _open(sub)
                 ins = [self._const(c) for c in consts] + ins
                 sub_invars = [*sub.constvars, *sub.invars]
                 if len(ins) != len(sub_invars):
                     raise NotImplementedError(
-                        f"the pallas backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
+                        f"the {self.backend} backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
                 outs = self.run(sub, ins, sub_invars)
             else:
                 outs = [self.new(v.aval) for v in eqn.outvars]
@@ -406,7 +415,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     jaxpr = mod.jaxpr
-    fl = _Flattener(mod.name)
+    fl = _Flattener(mod.name, _BACKEND[target])
     ins = [fl.new(v.aval) for v in jaxpr.invars]
     (out,) = fl.run(jaxpr, ins)
     consts, args = tuple(ins[: mod.num_consts]), tuple(ins[mod.num_consts:])
@@ -443,7 +452,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
             else:
                 raise NotImplementedError(
                     f"mod {mod.name!r} computes with a whole captured array of shape {aval.shape} "
-                    f"(primitive {node.prim.name!r}); the pallas backend reads captured arrays one element "
+                    f"(primitive {node.prim.name!r}); the {_BACKEND[target]} backend reads captured arrays one element "
                     "per position: index them in one step, e.g. table[h, kv_idx - q_idx]")
     if not isinstance(out, Lit) and produced.get(out, "k") != "k":
         hoisted = cols if produced[out] == "kv" else rows
@@ -480,7 +489,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
 
 def _check_kernel_part(c: CompiledMod):
     """Traces the kernel part and its VJP at small tile shapes and checks every primitive."""
-    if c.target == "interpret":
+    if c.target in ("interpret", "triton"):
         return
     tq, tk = 8, 128
     reads = c.reads()
