@@ -1,0 +1,528 @@
+"""Triton source for a compiled mod: the kernel part as a ``@triton.jit`` function, and its VJP.
+
+The mod compiler (``flexjax._modcompiler``) has already split the mod into an XLA
+prologue and a kernel part of first-order nodes with scalar semantics. Every node
+becomes one elementwise Triton statement on tiles: ``score`` [BM, BN], ``q_idx``
+[BM, 1], ``kv_idx`` [1, BN], hoisted rows [BM, 1] and columns [1, BN], scalars ``b`` and
+``h``; Triton broadcasts them as NumPy does. Reads of captured arrays become
+``tl.load`` from the array's flat pointer at clamped indices (the same clamping as
+XLA's ``dynamic_slice`` and ``gather``).
+
+The backward function is generated from a jaxpr of ``jax.vjp`` of the kernel part, traced
+at scalar shapes with the loaded array values as inputs: it recomputes the forward part
+(for the loads and their flat indices), then the VJP, and returns dS and the gradients of
+the float rows, columns and array reads as [BM, BN] tiles.
+
+Signatures (``GeneratedMod.fwd`` / ``.bwd`` name them):
+
+- score forward: ``fwd(score, b, h, q_idx, kv_idx, row_0.., col_0.., arr_0..)`` -> float32 tile
+- mask forward: ``fwd(b, h, q_idx, kv_idx, row_0.., col_0.., arr_0..)`` -> int1 tile
+- score backward: ``bwd(score, b, h, q_idx, kv_idx, row_0.., col_0.., arr_0.., dout)`` ->
+  ``(dscore, drow.., dcol.., idx_0, d_0, idx_1, d_1, ..)``, one (flat int32 index, float32
+  gradient) pair per float read (``GeneratedMod.grad_reads``).
+
+Bool rows, columns and arrays arrive stored as int32 (the prologue's storage dtype).
+Every primitive without a translation raises ``NotImplementedError`` naming it and the mod,
+before any kernel is built. Only ``tl`` functions that Triton's interpreter also runs are
+emitted (tanh, log1p and expm1 are written out), so the interpreter checks the very code a
+GPU compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..._modcompiler import CompiledMod, Lit, _Flattener, _open
+
+_TL_DTYPES = {
+    "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float64": "tl.float64",
+    "int32": "tl.int32", "int64": "tl.int64", "int16": "tl.int16", "int8": "tl.int8",
+    "uint32": "tl.uint32", "uint16": "tl.uint16", "uint8": "tl.uint8", "bool": "tl.int1",
+}
+
+# Identity on values with one element per position (the mod has scalar semantics).
+_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
+                         "reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or", "transpose",
+                         "optimization_barrier"})
+_BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
+           "ne": "!=", "and": "&", "or": "|", "xor": "^", "shift_left": "<<", "shift_right_arithmetic": ">>"}
+_UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sin": "tl.sin", "cos": "tl.cos",
+             "floor": "tl.floor", "ceil": "tl.ceil", "erf": "tl.erf", "abs": "tl.abs", "sqrt": "tl.sqrt_rn"}
+# Functions written out in tl ops (``_HELPERS``), accurate to a few float32 ulp.
+_UNARY_HELPER = {"tanh": "tanh", "log1p": "log1p", "expm1": "expm1", "logistic": "logistic"}
+
+SUPPORTED_PRIMITIVES = frozenset(
+    set(_SHAPE_ONLY) | set(_BINARY) | set(_UNARY_TL) | set(_UNARY_HELPER)
+    | {"div", "rem", "neg", "sign", "max", "min", "not", "select_n", "convert_element_type", "clamp",
+       "integer_pow", "square", "rsqrt", "is_finite", "shift_right_logical", "concatenate", "pow",
+       "dynamic_slice", "gather", "stop_gradient"})
+
+_HELPERS = {
+    # |x| < 0.3: the odd Taylor series to x^13 (next term 2e-11 relative); beyond, (1 - t) / (1 + t)
+    # with t = exp(-2|x|) <= 0.55, which loses at most a few ulp.
+    "tanh": '''
+@triton.jit
+def {p}_tanh(x):
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
+            + x2 * (0.021869488536155203 + x2 * (-0.008863235529902197 + x2 * 0.003592128036572481))))))
+    t = tl.exp(-2.0 * tl.abs(x))
+    big = (1.0 - t) / (1.0 + t)
+    return tl.where(tl.abs(x) < 0.3, small, tl.where(x < 0, -big, big))
+''',
+    # Goldberg's log1p and Kahan's expm1: exact where 1 + x (exp(x)) rounds to 1, relative
+    # error of a few ulp elsewhere.
+    "log1p": '''
+@triton.jit
+def {p}_log1p(x):
+    u = 1.0 + x
+    d = tl.where(u == 1.0, 1.0, u - 1.0)
+    r = tl.where(u == 1.0, x, tl.log(u) * (x / d))
+    return tl.where(u == float("inf"), u, r)
+''',
+    "expm1": '''
+@triton.jit
+def {p}_expm1(x):
+    u = tl.exp(x)
+    lu = tl.where((u == 1.0) | (u == 0.0), 1.0, tl.log(u))
+    r = tl.where(u == 1.0, x, (u - 1.0) * (x / lu))
+    return tl.where(u == float("inf"), u, tl.where(u - 1.0 == -1.0, -1.0, r))
+''',
+    "logistic": '''
+@triton.jit
+def {p}_logistic(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+''',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedMod:
+    """Triton source of one compiled mod.
+
+    Attributes:
+      source: module-level ``@triton.jit`` functions; the module must ``import triton`` and
+        ``import triton.language as tl``.
+      fwd, bwd: names of the forward and (score mods only, else None) backward functions.
+      rows, cols, arrays: how many row tiles, column tiles and array pointers they take.
+      row_float, col_float: which rows / columns are float (the backward returns their gradients).
+      grad_reads: per float read whose gradient the backward returns, the array it reads.
+      key: a digest of the source, for the caller's caches and kernel names.
+    """
+
+    source: str
+    fwd: str
+    bwd: str | None
+    rows: int
+    cols: int
+    arrays: int
+    row_float: tuple
+    col_float: tuple
+    grad_reads: tuple
+    key: str
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _tl(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    if name not in _TL_DTYPES:
+        raise NotImplementedError(f"the triton backend has no Triton type for dtype {name}")
+    return _TL_DTYPES[name]
+
+
+def _literal(val: np.ndarray) -> str:
+    """A typed 0-d tensor holding ``val``."""
+    val = np.asarray(val).reshape(())
+    if val.dtype == np.bool_:
+        return f"tl.full([], {int(bool(val))}, tl.int1)"
+    if np.issubdtype(val.dtype, np.floating) or val.dtype.name == "bfloat16":
+        x = float(val)
+        text = 'float("nan")' if np.isnan(x) else ('float("inf")' if x == np.inf else
+                                                   ('-float("inf")' if x == -np.inf else repr(x)))
+        return f"tl.full([], {text}, {_tl(val.dtype)})"
+    return f"tl.full([], {int(val)}, {_tl(val.dtype)})"
+
+
+class _Emitter:
+    """Writes one function body: one statement per node, values named v0, v1, ..."""
+
+    def __init__(self, mod_name: str, prefix: str, where: str = ""):
+        self.lines: list[str] = []
+        self.count = 0
+        self.mod_name, self.prefix, self.where = mod_name, prefix, where
+        self.helpers: set[str] = set()
+
+    def assign(self, expr: str) -> str:
+        name = f"v{self.count}"
+        self.count += 1
+        self.lines.append(f"    {name} = {expr}")
+        return name
+
+    def value(self, x, env):
+        if isinstance(x, Lit):
+            if np.asarray(x.val).size != 1:
+                # An index vector given as a literal (gather of constant indices).
+                return [_literal(v) for v in np.asarray(x.val).reshape(-1)]
+            return _literal(x.val)
+        return env[x]
+
+    def unsupported(self, prim: str):
+        return NotImplementedError(
+            f"the triton backend has no Triton translation for primitive {prim!r} in mod {self.mod_name!r}"
+            f"{self.where}; rewrite the mod without it or use backend='pallas' or 'xla'")
+
+    def node(self, node, env, load=None):
+        """Emits ``node``; returns its output expressions (a list per output for index vectors)."""
+        name = node.prim.name
+        if name in ("dynamic_slice", "gather"):
+            if load is None:
+                raise self.unsupported(name)
+            return [load(node, env)]
+        ins = [self.value(x, env) for x in node.ins]
+        if name == "concatenate":
+            return [[c for v in ins for c in (v if isinstance(v, list) else [v])]]
+        if name in _SHAPE_ONLY or name == "stop_gradient":
+            return [ins[0]]
+        if any(isinstance(v, list) for v in ins):
+            n = max(len(v) for v in ins if isinstance(v, list))
+            return [[self._op(node, [v[i] if isinstance(v, list) else v for v in ins]) for i in range(n)]]
+        return [self._op(node, ins)]
+
+    def _op(self, node, ins) -> str:
+        name = node.prim.name
+        dtype = node.out_avals[0].dtype
+        in_dtype = node.in_avals[0].dtype if node.in_avals else dtype
+        fl = _is_float(in_dtype)
+        if name in _BINARY:
+            return self.assign(f"({ins[0]} {_BINARY[name]} {ins[1]})")
+        if name in _UNARY_TL:
+            if name != "abs" and not fl:
+                raise self.unsupported(name)
+            return self.assign(f"{_UNARY_TL[name]}({ins[0]})")
+        if name in _UNARY_HELPER:
+            self.helpers.add(_UNARY_HELPER[name])
+            return self.assign(f"{self.prefix}_{_UNARY_HELPER[name]}({ins[0]})")
+        if name == "div":
+            return self.assign(f"({ins[0]} / {ins[1]})" if fl else f"({ins[0]} // {ins[1]})")
+        if name == "rem":
+            # Triton's % is C's fmod / srem, as lax.rem (the sign of the dividend).
+            return self.assign(f"({ins[0]} % {ins[1]})")
+        if name == "neg":
+            return self.assign(f"(-{ins[0]})")
+        if name == "not":
+            return self.assign(f"({ins[0]} == 0)" if dtype == jnp.bool_ else f"(~{ins[0]})")
+        if name in ("max", "min"):
+            fn = "tl.maximum" if name == "max" else "tl.minimum"
+            if dtype == jnp.bool_:
+                return self.assign(f"({ins[0]} {'|' if name == 'max' else '&'} {ins[1]})")
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if fl else ""
+            return self.assign(f"{fn}({ins[0]}, {ins[1]}{nan})")
+        if name == "clamp":
+            lo, x, hi = ins
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if _is_float(node.in_avals[1].dtype) else ""
+            return self.assign(f"tl.minimum(tl.maximum({x}, {lo}{nan}), {hi}{nan})")
+        if name == "sign":
+            one, zero = ("1.0", "0.0") if fl else ("1", "0")
+            t = _tl(dtype)
+            return self.assign(f"tl.where({ins[0]} > {zero}, tl.full([], {one}, {t}), "
+                               f"tl.where({ins[0]} < {zero}, tl.full([], -{one}, {t}), {ins[0]}))")
+        if name == "select_n":
+            pred, *cases = ins
+            if node.in_avals[0].dtype == jnp.bool_:
+                return self.assign(f"tl.where({pred}, {cases[1]}, {cases[0]})")
+            expr = cases[-1]
+            for i in range(len(cases) - 2, -1, -1):
+                expr = f"tl.where({pred} == {i}, {cases[i]}, {expr})"
+            return self.assign(expr)
+        if name == "convert_element_type":
+            if dtype == jnp.bool_:
+                return self.assign(f"({ins[0]} != 0)")
+            return self.assign(f"{ins[0]}.to({_tl(dtype)})")
+        if name in ("integer_pow", "square"):
+            y = node.params["y"] if name == "integer_pow" else 2
+            return self.assign(self._int_pow(ins[0], y, fl))
+        if name == "pow":
+            if not fl or not _is_float(node.in_avals[1].dtype):
+                raise self.unsupported(name)
+            x, y = ins
+            # x ** y for x > 0; x == 0 gives 0, 1 or inf; x < 0 an integer power with its sign, or NaN.
+            mag = self.assign(f"tl.exp2({y} * tl.log2(tl.abs({x})))")
+            odd = self.assign(f"(tl.floor({y} * 0.5) * 2.0 != {y})")
+            whole = self.assign(f"(tl.floor({y}) == {y})")
+            return self.assign(f"tl.where({x} < 0, tl.where({whole}, tl.where({odd}, -{mag}, {mag}), "
+                               f"float(\"nan\")), {mag})")
+        if name == "rsqrt":
+            return self.assign(f"(1.0 / tl.sqrt_rn({ins[0]}))")
+        if name == "is_finite":
+            return self.assign(f"(tl.abs({ins[0]}) < float(\"inf\"))")
+        if name == "shift_right_logical":
+            t = _tl(dtype)
+            ut = t.replace("tl.int", "tl.uint")
+            return self.assign(f"({ins[0]}.to({ut}, bitcast=True) >> {ins[1]}.to({ut}, bitcast=True))"
+                               f".to({t}, bitcast=True)")
+        raise self.unsupported(name)
+
+    def _int_pow(self, x: str, y: int, fl: bool) -> str:
+        if y == 0:
+            return f"({x} * 0 + 1)"
+        acc, base, n = None, x, abs(y)
+        while n:
+            if n & 1:
+                acc = base if acc is None else self.assign(f"({acc} * {base})")
+            n >>= 1
+            if n:
+                base = self.assign(f"({base} * {base})")
+        if y < 0:
+            if not fl:
+                raise self.unsupported("integer_pow")
+            return f"(1.0 / {acc})"
+        return f"({acc} + 0)" if acc == x else acc
+
+
+def _read_loader(em: _Emitter, cm: CompiledMod, arrays: dict, record: list):
+    """``load(node, env)`` for the forward part: a ``tl.load`` at clamped flat indices."""
+
+    def clamp(i, n):
+        return em.assign(f"tl.minimum(tl.maximum({i}.to(tl.int32), 0), {n - 1})")
+
+    def load(node, env):
+        operand = node.ins[0]
+        shape = node.in_avals[0].shape
+        k = arrays[operand]
+        fill = None
+        if node.prim.name == "dynamic_slice":
+            if any(s != 1 for s in node.params["slice_sizes"]):
+                raise NotImplementedError(f"mod {cm.name!r} slices more than one element of a captured array")
+            raw = [em.value(s, env) for s in node.ins[1:]]
+        else:
+            dn = node.params["dimension_numbers"]
+            comps = em.value(node.ins[1], env)
+            comps = comps if isinstance(comps, list) else [comps]
+            raw = [None] * len(shape)
+            for c, d in zip(comps, dn.start_index_map):
+                raw[d] = c
+            raw = [r if r is not None else "0" for r in raw]
+            if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+                fill = node.params["fill_value"]
+                if fill is None:
+                    fill = np.nan if _is_float(node.out_avals[0].dtype) else 0
+                inside = " & ".join(f"({r} >= 0) & ({r} < {n})" for r, n in zip(raw, shape))
+                fill = (em.assign(f"({inside})"), fill)
+        idx = [clamp(r, n) for r, n in zip(raw, shape)]
+        flat = idx[0]
+        for i, n in zip(idx[1:], shape[1:]):
+            flat = em.assign(f"({flat} * {n} + {i})")
+        val = em.assign(f"tl.load(a{k} + {flat})")
+        out_dtype = node.out_avals[0].dtype
+        if out_dtype == jnp.bool_:
+            val = em.assign(f"({val} != 0)")
+        if fill is not None:
+            inside, fv = fill
+            val = em.assign(f"tl.where({inside}, {val}, {_literal(np.asarray(fv, out_dtype))})")
+        record.append((k, flat, val, out_dtype))
+        return val
+
+    return load
+
+
+def _bcast(expr: str, dtype) -> str:
+    """``expr`` broadcast to the [BM, BN] tile ``_zi`` (an int32 zero tile)."""
+    if dtype == jnp.bool_:
+        return f"(({expr}) | (_zi != 0))"
+    return f"(({expr}) + _zi.to({_tl(dtype)}))"
+
+
+def _forward_body(cm: CompiledMod, em: _Emitter, record: list) -> dict:
+    """Emits the kernel part; returns the env (var id -> expression)."""
+    env: dict = {}
+    names = ("b", "h", "q_idx", "kv_idx") if cm.mod.kind == "mask" else ("score", "b", "h", "q_idx", "kv_idx")
+    env.update(zip(cm.args, names))
+    for k, v in enumerate(cm.rows):
+        env[v] = f"(r{k} != 0)" if cm.avals[v].dtype == jnp.bool_ else f"r{k}"
+    for k, v in enumerate(cm.cols):
+        env[v] = f"(c{k} != 0)" if cm.avals[v].dtype == jnp.bool_ else f"c{k}"
+    arrays = {a: k for k, a in enumerate(cm.arrays)}
+    load = _read_loader(em, cm, arrays, record)
+    for node, side in zip(cm.nodes, cm.side):
+        if side != "k":
+            continue
+        outs = em.node(node, env, load)
+        env.update(zip(node.outs, outs))
+    return env
+
+
+def _params(cm: CompiledMod) -> list[str]:
+    lead = ["b", "h", "q_idx", "kv_idx"] if cm.mod.kind == "mask" else ["score", "b", "h", "q_idx", "kv_idx"]
+    return (lead + [f"r{k}" for k in range(len(cm.rows))] + [f"c{k}" for k in range(len(cm.cols))]
+            + [f"a{k}" for k in range(len(cm.arrays))])
+
+
+def _vjp_nodes(cm: CompiledMod, read_dtypes):
+    """Flat nodes of the kernel part's VJP, traced at scalar shapes.
+
+    Inputs (in order): score, b, h, q_idx, kv_idx, rows, cols, loaded values, cotangent.
+    Outputs: d score, d float rows, d float cols, d float reads.
+    """
+    row_dt = [cm.storage_dtype(r) for r in cm.rows]
+    col_dt = [cm.storage_dtype(c) for c in cm.cols]
+
+    def g(score, b, h, q, kv, rows, cols, loaded, ct):
+        fr = [i for i, d in enumerate(row_dt) if _is_float(d)]
+        fc = [i for i, d in enumerate(col_dt) if _is_float(d)]
+        fl = [i for i, d in enumerate(read_dtypes) if _is_float(d)]
+
+        def f(s, rf, cf, lf):
+            rs, cs, ls = list(rows), list(cols), list(loaded)
+            for i, x in zip(fr, rf):
+                rs[i] = x
+            for i, x in zip(fc, cf):
+                cs[i] = x
+            for i, x in zip(fl, lf):
+                ls[i] = x
+            it = iter(ls)
+            return cm.evaluate(s, b, h, q, kv, tuple(rs), tuple(cs), lambda k, idx: next(it))
+
+        _, vjp = jax.vjp(f, score, [rows[i] for i in fr], [cols[i] for i in fc], [loaded[i] for i in fl])
+        return vjp(ct)
+
+    scal = lambda d: jax.ShapeDtypeStruct((), d)  # noqa: E731
+    i32 = scal(jnp.int32)
+    score_dt = cm.avals[cm.args[0]].dtype
+    closed = jax.make_jaxpr(g)(scal(score_dt), i32, i32, i32, i32, [scal(d) for d in row_dt],
+                               [scal(d) for d in col_dt], [scal(d) for d in read_dtypes], scal(score_dt))
+    jaxpr, consts = _open(closed)
+    fl = _Flattener(cm.name, "triton")
+    ins = [fl.new(v.aval) for v in jaxpr.invars]
+    const_ins = [fl._const(c) for c in consts]
+    outs = fl.run(jaxpr, const_ins + ins, [*jaxpr.constvars, *jaxpr.invars])
+    return fl.nodes, ins, outs, fl.avals
+
+
+_CACHE: dict = {}
+
+
+def generate(cm: CompiledMod, prefix: str) -> GeneratedMod:
+    """Triton source for ``cm`` (compiled for target "triton"), cached by the mod's key.
+
+    Raises:
+      NotImplementedError: naming the first primitive (or read) without a translation.
+    """
+    key = (cm.mod, cm.target, prefix)
+    if key not in _CACHE:
+        _CACHE[key] = _generate(cm, prefix)
+    return _CACHE[key]
+
+
+def _generate(cm: CompiledMod, prefix: str) -> GeneratedMod:
+    if not prefix.isidentifier():
+        raise ValueError(f"prefix must be a Python identifier, got {prefix!r}")
+    kind = cm.mod.kind
+    params = _params(cm)
+    zi = "    _zi = q_idx * 0 + kv_idx * 0"
+
+    em = _Emitter(cm.name, prefix)
+    record: list = []
+    env = _forward_body(cm, em, record)
+    out = em.value(cm.out, env)
+    out_dtype = cm.avals[cm.out].dtype if not isinstance(cm.out, Lit) else np.asarray(cm.out.val).dtype
+    if kind == "mask":
+        ret = _bcast(out if out_dtype == jnp.bool_ else f"({out} != 0)", jnp.bool_)
+    else:
+        ret = _bcast(f"{out}.to(tl.float32)", jnp.float32)
+    fwd_src = "\n".join([f"@triton.jit\ndef {prefix}_fwd({', '.join(params)}):", zi, *em.lines,
+                         f"    return {ret}"])
+    sources = [fwd_src]
+    helpers = set(em.helpers)
+
+    row_float = tuple(_is_float(cm.storage_dtype(r)) for r in cm.rows)
+    col_float = tuple(_is_float(cm.storage_dtype(c)) for c in cm.cols)
+    grad_reads: tuple = ()
+    bwd_name = None
+    if kind == "score":
+        bem = _Emitter(cm.name, prefix, " in its gradient")
+        brec: list = []
+        benv = _forward_body(cm, bem, brec)
+        read_dtypes = [d for _, _, _, d in brec]
+        nodes, ins, outs, avals = _vjp_nodes(cm, read_dtypes)
+        bound = ["score", "b", "h", "q_idx", "kv_idx"]
+        bound += [benv[v] for v in cm.rows] + [benv[v] for v in cm.cols]
+        # The VJP's inputs are the stored rows/cols (bool as int32) and the loaded values.
+        bound[5:5 + len(cm.rows) + len(cm.cols)] = [f"r{k}" for k in range(len(cm.rows))] + [
+            f"c{k}" for k in range(len(cm.cols))]
+        bound += [val for _, _, val, _ in brec] + ["dout"]
+        venv = dict(zip(ins, bound))
+        for node in nodes:
+            outs_ = bem.node(node, venv)
+            venv.update(zip(node.outs, outs_))
+        n_fr, n_fc = sum(row_float), sum(col_float)
+        out_vals = [bem.value(o, venv) for o in outs]
+        rets = [_bcast(f"{out_vals[0]}.to(tl.float32)", jnp.float32)]
+        rets += [_bcast(f"{v}.to(tl.float32)", jnp.float32) for v in out_vals[1:1 + n_fr + n_fc]]
+        float_reads = [(k, flat) for k, flat, _, d in brec if _is_float(d)]
+        for (_, flat), v in zip(float_reads, out_vals[1 + n_fr + n_fc:]):
+            rets += [_bcast(flat, jnp.int32), _bcast(f"{v}.to(tl.float32)", jnp.float32)]
+        grad_reads = tuple(k for k, _ in float_reads)
+        bwd_name = f"{prefix}_bwd"
+        sources.append("\n".join([f"@triton.jit\ndef {bwd_name}({', '.join(params + ['dout'])}):", zi,
+                                  *bem.lines, f"    return {', '.join(rets)},"]))
+        helpers |= bem.helpers
+    head = [_HELPERS[h].format(p=prefix).strip("\n") for h in sorted(helpers)]
+    source = "\n\n\n".join(head + sources) + "\n"
+    return GeneratedMod(source=source, fwd=f"{prefix}_fwd", bwd=bwd_name, rows=len(cm.rows), cols=len(cm.cols),
+                        arrays=len(cm.arrays), row_float=row_float, col_float=col_float, grad_reads=grad_reads,
+                        key=hashlib.sha256(source.encode()).hexdigest()[:16])
+
+
+_MODULES: dict = {}
+
+
+def load_source(source: str, tag: str = "flexjax_triton", interpret: bool = False):
+    """Imports ``source`` (Triton needs a real file to read a ``@triton.jit`` function's source).
+
+    Written once per digest under a per-user cache directory, and imported once per process
+    and mode. With ``interpret`` every ``@triton.jit`` function of the module becomes an
+    ``InterpretedFunction`` (imported with ``TRITON_INTERPRET=1``), so kernels that call the
+    generated mod functions run under Triton's interpreter; without it, JITFunctions for
+    ``triton.compile`` and jax-triton.
+    """
+    import importlib.util
+    import os
+    import tempfile
+
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    name = f"{tag}_{digest}"
+    key = (name, bool(interpret))
+    if key not in _MODULES:
+        cache = os.environ.get("XDG_CACHE_HOME")
+        base = (os.path.join(cache, "flexjax") if cache
+                else os.path.join(tempfile.gettempdir(), f"flexjax-{os.getuid()}"))
+        folder = os.path.join(base, "triton_src")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, name + ".py")
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        spec = importlib.util.spec_from_file_location(f"{name}_interp" if interpret else name, path)
+        module = importlib.util.module_from_spec(spec)
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET")
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+        _MODULES[key] = module
+    return _MODULES[key]
