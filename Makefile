@@ -34,8 +34,11 @@ $(CSTAMP): pyproject.toml
 	$(CPY) -m pip install -q -e '.[compile]'
 	touch $(CSTAMP)
 
+# Then the triton backend's checks (tests_triton/): its mod code generator and kernels under Triton's
+# interpreter against the reference, lowering for cuda, and triton.compile for sm_90 and sm_80.
 test-compile: $(CSTAMP)
 	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
+	JAX_PLATFORMS=cpu PYTHONPATH=tests $(CPY) -m pytest -q -n 2 tests_triton
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
