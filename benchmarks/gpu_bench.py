@@ -1,4 +1,4 @@
-"""GPU benchmark: flexjax ``pallas`` vs cuDNN (``jax.nn.dot_product_attention``) and ``xla``.
+"""GPU benchmark: flexjax ``pallas`` and ``triton`` vs cuDNN (``jax.nn.dot_product_attention``) and ``xla``.
 
     python benchmarks/gpu_bench.py --out bench.jsonl [--summary bench.json] [--deadline-s 240]
 
@@ -46,10 +46,11 @@ VARIANTS = {"none": ("full", None), "causal": ("causal", None), "sliding_window"
             "documents": ("causal_documents", None), "alibi": ("causal", "alibi"),
             "soft_cap": ("causal", "soft_cap")}
 MODES = ("fwd", "fwd+bwd")
-IMPLS = ("pallas", "cudnn", "xla")
-# Timed in this order within a length: pallas beside its cuDNN baseline for every variant
-# first, the xla fallback last, so a deadline drops the least important measurements.
-IMPL_GROUPS = (("pallas", "cudnn"), ("xla",))
+IMPLS = ("pallas", "triton", "cudnn", "xla")
+# Timed in this order within a length: the two kernel backends beside their cuDNN baseline
+# for every variant first, the xla fallback last, so a deadline drops the least important
+# measurements.
+IMPL_GROUPS = (("pallas", "triton", "cudnn"), ("xla",))
 # Dense cuDNN biases above this many bytes are skipped (they are the O(S^2) cost that
 # flexjax avoids; at S=16384 a bf16 (1, H, S, S) bias is 8 GiB).
 DENSE_LIMIT_BYTES = 4 << 30
@@ -218,17 +219,18 @@ def summary(records) -> dict:
         else:
             row["skipped"][r["impl"]] = r["reason"]
     for row in rows.values():
-        if "cudnn" in row["ms"] and "pallas" in row["ms"]:
-            row["pallas_vs_cudnn"] = round(row["ms"]["cudnn"] / row["ms"]["pallas"], 3)
+        for impl in ("pallas", "triton"):
+            if "cudnn" in row["ms"] and impl in row["ms"]:
+                row[f"{impl}_vs_cudnn"] = round(row["ms"]["cudnn"] / row["ms"][impl], 3)
     return {"rows": list(rows.values())}
 
 
 def table(rows, impls) -> str:
-    """One line per (S, variant, mode): ms per impl ("-" where skipped) and pallas/cuDNN speed."""
-    lines = ["== ms (lower is better); pallas_vs_cudnn = cuDNN ms / pallas ms"]
+    """One line per (S, variant, mode): ms per impl ("-" where skipped) and kernel/cuDNN speed."""
+    lines = ["== ms (lower is better); <impl>_vs_cudnn = cuDNN ms / <impl> ms"]
     for row in rows:
         cells = " ".join(f"{i} {row['ms'][i]:9.3f}" if i in row["ms"] else f"{i} {'-':>9}" for i in impls)
-        ratio = f"  pallas_vs_cudnn {row['pallas_vs_cudnn']:.2f}" if "pallas_vs_cudnn" in row else ""
+        ratio = "".join(f"  {k} {row[k]:.2f}" for k in ("pallas_vs_cudnn", "triton_vs_cudnn") if k in row)
         lines.append(f"S={row['S']:<6d} {row['variant']:15s} {row['mode']:8s} {cells}{ratio}")
     return "\n".join(lines)
 

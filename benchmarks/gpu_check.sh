@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# GPU check for the pallas backend on one NVIDIA GPU, in under 6 minutes (two fit in a lease).
+# GPU check for the pallas and triton backends on one NVIDIA GPU, in under 6 minutes (two fit in a lease).
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR
 #
 # Runs from the source tree (PYTHONPATH=<repo>) and installs nothing. Python: $PYTHON, else
 # the project's .venv, else python3 on PATH (the GPU machine has no .venv); it must hold a
-# CUDA jaxlib. Needs no pytest. Every step writes under OUT_DIR as results appear, so a run
+# CUDA jaxlib. Needs no pytest. The triton backend needs jax-triton: where it is not installed, a
+# pure-Python wheel of it in <repo>/.whl/ (jax_triton-*.whl, e.g. carried to the GPU machine) is put
+# on PYTHONPATH as it is (zipimport), installing nothing. Every step writes under OUT_DIR as results appear, so a run
 # that is cut short still reports:
 #   env.txt          python, versions, devices, nvidia-smi
 #   steps.jsonl      a line as each step starts and ends (rc, seconds since the start)
-#   gpu_tests.jsonl  a line per catalog case: compiled Triton kernels (bf16, fwd + bwd)
-#                    against the reference (benchmarks/gpu_tests.py; shards run in parallel)
-#   bench.jsonl      a line per timing: pallas vs cuDNN vs xla (benchmarks/gpu_bench.py)
+#   gpu_tests.jsonl  a line per catalog case and backend (pallas, triton): compiled kernels
+#                    (bf16, fwd + bwd) against the reference (benchmarks/gpu_tests.py; shards
+#                    run in parallel)
+#   bench.jsonl      a line per timing: pallas, triton vs cuDNN vs xla (benchmarks/gpu_bench.py)
 #   bench.json       the timings as rows, written when the benchmark finishes
 #   *.log            each process's output
 # Exit status: 0 all passed; 1 a case failed or a step was cut; 2 no GPU or no usable python.
 #
 # Budget: FLEXJAX_GPU_BUDGET_S (default 330) from the start. Tests: FLEXJAX_GPU_TEST_SHARDS
-# processes (default 4), cut at FLEXJAX_GPU_TEST_TIMEOUT_S (default 120). The benchmark then
+# processes (default 4), cut at FLEXJAX_GPU_TEST_TIMEOUT_S (default 150). The benchmark then
 # starts no measurement later than 30 s before the budget ends, and is cut at its end.
 # Compiles are cached in JAX_COMPILATION_CACHE_DIR (default /tmp/flexjax-gpu-check-cache),
 # so a second run on the same machine skips the compiles of unchanged kernels.
@@ -35,7 +38,7 @@ cd "$ROOT" || exit 2
 rm -f "$OUT/steps.jsonl" "$OUT/gpu_tests.jsonl" "$OUT/error.txt"  # the test lines are appended
 BUDGET="${FLEXJAX_GPU_BUDGET_S:-330}"
 SHARDS="${FLEXJAX_GPU_TEST_SHARDS:-4}"
-TEST_TIMEOUT="${FLEXJAX_GPU_TEST_TIMEOUT_S:-120}"
+TEST_TIMEOUT="${FLEXJAX_GPU_TEST_TIMEOUT_S:-150}"
 
 if [[ -n "${PYTHON:-}" ]]; then
   PY="$PYTHON"
@@ -52,6 +55,11 @@ PY="$(command -v "$PY")"
 [[ $PY == /* ]] || PY="$ROOT/$PY"  # absolute, without resolving the venv's symlink
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import jax_triton" > /dev/null 2>&1; then
+  for whl in "$ROOT"/.whl/jax_triton-*-py3-none-any.whl; do
+    [[ -f $whl ]] && export PYTHONPATH="$whl:$PYTHONPATH"
+  done
+fi
 export PYTHONUNBUFFERED=1
 # Let XLA take GPU memory as it needs it: the test shards, the dense cuDNN baselines and the
 # kernels share the device without a 75% preallocation each.
@@ -73,11 +81,16 @@ try:
     print("jax", jax.__version__, jax.__file__)
 except Exception as e:
     print("jax -", type(e).__name__, e)
-for name in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "numpy", "triton", "torch", "pytest"):
+for name in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "numpy", "triton", "jax-triton", "torch", "pytest"):
     try:
         print(name, importlib.metadata.version(name))
     except importlib.metadata.PackageNotFoundError:
         print(name, "-")
+try:
+    import jax_triton
+    print("jax_triton importable", jax_triton.__file__)
+except Exception as e:
+    print("jax_triton not importable:", type(e).__name__, str(e)[:200])
 try:
     print("backend", jax.default_backend())
     print("devices", jax.devices())

@@ -1,9 +1,13 @@
-"""GPU correctness check for gpu_check.sh: the catalog's compiled Triton kernels against the reference.
+"""GPU correctness check for gpu_check.sh: the catalog's compiled GPU kernels against the reference.
 
     python benchmarks/gpu_tests.py --out gpu_tests.jsonl [--shard 0/4] [--cases causal,padding]
+        [--backends pallas,triton]
 
 The check of ``test_catalog_on_gpu`` in tests/test_pallas.py (bfloat16, forward and
-backward, GQA with ragged lengths) without pytest, which the GPU machine may lack.
+backward, GQA with ragged lengths) without pytest, which the GPU machine may lack, for
+each kernel backend: ``pallas`` (Pallas' Triton lowering) and ``triton`` (the Triton
+templates through jax-triton). A case the backend refuses (for triton, where jax-triton
+does not import) is "unsupported", with the reason, and counts as not passed.
 Shards split the catalog so that several processes compile at once; each case appends
 one JSON line to ``--out`` as soon as it finishes, so a run that is cut still reports.
 ``--interpret`` runs the same kernels in Pallas' interpreter (to try this script on CPU).
@@ -30,8 +34,8 @@ from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads  # n
 from checks import assert_close  # noqa: E402
 
 
-def check(name: str, kernel_options: dict) -> None:
-    """pallas in bfloat16 against the float32 reference on the same rounded inputs.
+def check(name: str, backend: str, kernel_options: dict) -> None:
+    """``backend`` in bfloat16 against the float32 reference on the same rounded inputs.
 
     Raises:
       AssertionError: an output or gradient is off by more than the same-dtype
@@ -40,10 +44,10 @@ def check(name: str, kernel_options: dict) -> None:
     case, shape = BY_NAME[name], SHAPES["gqa_unequal"]
     bm, params, attention = build(case, shape, 64)
     q, k, v, do = inputs(shape, jnp.bfloat16)
-    got = loss_and_grads(attention, q, k, v, do, params, backend="pallas", kernel_options=kernel_options)
+    got = loss_and_grads(attention, q, k, v, do, params, backend=backend, kernel_options=kernel_options)
     truth = loss_and_grads(attention, *(x.astype(jnp.float32) for x in (q, k, v, do)), params, backend="reference")
     ref = loss_and_grads(attention, q, k, v, do, params, backend="reference")
-    assert_close(f"{name}/bfloat16", got, truth, ref, jnp.bfloat16)
+    assert_close(f"{name}/{backend}/bfloat16", got, truth, ref, jnp.bfloat16)
 
 
 def _shard(names, spec: str):
@@ -64,7 +68,8 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON lines file to append to")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
     parser.add_argument("--cases", default="", help="comma-separated catalog names (default: all)")
-    parser.add_argument("--interpret", action="store_true", help="Pallas interpreter instead of the GPU")
+    parser.add_argument("--backends", default="pallas,triton", help="comma-separated kernel backends")
+    parser.add_argument("--interpret", action="store_true", help="the backends' interpreters instead of the GPU")
     args = parser.parse_args()
     if not args.interpret and jax.default_backend() != "gpu":
         print(f"no GPU visible to JAX (backend {jax.default_backend()!r}); pass --interpret to run on CPU")
@@ -77,20 +82,27 @@ def main() -> int:
             raise SystemExit(f"unknown --cases {unknown}; the catalog has {names}")
         names = [n for n in names if n in wanted]
     names = _shard(names, args.shard)
+    backends = args.backends.split(",")
+    unknown = sorted(set(backends) - {"pallas", "triton"})
+    if unknown:
+        raise SystemExit(f"unknown --backends {unknown}; choose from pallas, triton")
     options = {"interpret": True} if args.interpret else {"target": "cuda"}
-    _write(args.out, {"kind": "start", "shard": args.shard, "cases": names, "jax": jax.__version__,
-                      "device": str(jax.devices()[0]), "kernel_options": options})
+    _write(args.out, {"kind": "start", "shard": args.shard, "cases": names, "backends": backends,
+                      "jax": jax.__version__, "device": str(jax.devices()[0]), "kernel_options": options})
     failed = 0
-    for name in names:
+    for name, backend in ((n, b) for n in names for b in backends):
         start = time.perf_counter()
-        record = {"kind": "test", "case": name, "shard": args.shard}
+        record = {"kind": "test", "case": name, "backend": backend, "shard": args.shard}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                check(name, options)
+                check(name, backend, options)
                 record["outcome"] = "passed"
             except AssertionError as e:
                 record.update(outcome="failed", error=str(e)[:2000])
+            except NotImplementedError as e:
+                # The backend refused (for triton: jax-triton missing, say); not a pass.
+                record.update(outcome="unsupported", error=str(e)[:2000])
             except Exception as e:  # noqa: BLE001  (a compile error is this case's result, not the run's end)
                 record.update(outcome="error", error=f"{type(e).__name__}: {str(e)[:2000]}",
                               traceback=traceback.format_exc()[-4000:])
@@ -98,7 +110,7 @@ def main() -> int:
         record["warnings"] = sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})
         failed += record["outcome"] != "passed"
         _write(args.out, record)
-        print(f"{record['outcome']:7s} {name} ({record['wall_s']} s)", flush=True)
+        print(f"{record['outcome']:7s} {name} [{backend}] ({record['wall_s']} s)", flush=True)
     return 1 if failed else 0
 
 

@@ -1,0 +1,231 @@
+"""Compiles the triton backend's kernels for sm_90 and sm_80 from a CPU host and checks their resources.
+
+Run by ``make test-compile`` inside ``build/venv-compile`` (triton 3.6, jax-triton, the CUDA
+plugin). For every catalog entry x {bf16, f16, f32} x {D=64, 128, 256} x {MHA, GQA} x
+{sm_90, sm_80} it lowers ``jax.grad`` of the attention with ``backend="triton"`` and
+``kernel_options={"target": "cuda", "compute_capability": cc}``: jax-triton compiles each
+generated kernel (forward, dQ, dK/dV) through Triton's own pipeline for that GPU and keeps
+its PTX and shared memory (``JAX_TRITON_DUMP_DIR``); ``ptxas -v`` (Triton's bundled one)
+assembles the PTX for the same architecture and reports registers and spills.
+
+It fails on any compile error, on shared memory above the architecture's opt-in limit, and
+on spills above ``SPILL_BUDGET``. Workers are separate processes; Triton's on-disk cache is
+pointed at a fresh directory so nothing is reused between runs.
+
+    python tests_compile/triton_suite.py --jobs 2 --out tests_compile/last_triton_table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_ENABLE_COMPILATION_CACHE": "false",
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+os.environ.update(ENV)
+
+DTYPES = ("bfloat16", "float16", "float32")
+HEAD_DIMS = (64, 128, 256)
+HEADS = {"mha": (1, 1024, 2, 2), "gqa": (1, 1024, 4, 2)}
+ARCHS = (90, 80)
+BLOCK_SIZE = 128
+# Per-thread spill bytes (stores + loads) a kernel may use, as in compile_suite.py.
+SPILL_BUDGET = {"bfloat16": 0, "float16": 0, "float32": 1024}
+# Shared memory a block may opt into: H100 (sm_90) 227 KiB, A100 (sm_80) 163 KiB.
+SMEM_LIMIT = {90: 232448, 80: 166912}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    arch: int
+    case: str
+    dtype: str
+    head_dim: int
+    heads: str
+
+    @property
+    def key(self):
+        return f"sm_{self.arch}/{self.case}/{self.dtype}/D{self.head_dim}/{self.heads}"
+
+
+def configs(only=None):
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    from catalog import CATALOG
+
+    out = [Config(a, c.name, dt, d, h)
+           for a, c, dt, d, h in itertools.product(ARCHS, CATALOG, DTYPES, HEAD_DIMS, HEADS)]
+    return [c for c in out if only is None or re.search(only, c.key)]
+
+
+def _ptxas():
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def _ptx_resources(path: str, arch: int, ptxas: str):
+    """(registers, spill stores, spill loads) of the one entry in ``path``."""
+    gpu = "sm_90a" if arch == 90 else f"sm_{arch}"
+    p = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", path, "-o", os.devnull], capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"ptxas failed on {os.path.basename(path)}: {p.stderr[-1500:]}")
+    regs = re.search(r"Used (\d+) registers", p.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)
+    return (int(regs.group(1)) if regs else 0, int(spill.group(1)) if spill else 0,
+            int(spill.group(2)) if spill else 0)
+
+
+def _kernel_kind(name: str) -> str:
+    for kind in ("dkv", "dq", "fwd"):
+        if kind in name:
+            return kind
+    return name
+
+
+def worker(cfgs, results_path):
+    import jax
+    import jax.numpy as jnp
+    import jax_triton.triton_lib as jt_lib
+    from catalog import BY_NAME, build, inputs
+
+    ptxas = _ptxas()
+    with open(results_path, "a") as out:
+        for cfg in cfgs:
+            B, S, Hq, Hkv = HEADS[cfg.heads]
+            shape = (B, S, S, Hq, Hkv, cfg.head_dim, cfg.head_dim)
+            dump = tempfile.mkdtemp(prefix="fj_triton_dump_")
+            jt_lib._JAX_TRITON_DUMP_DIR = dump
+            jt_lib._COMPILED_KERNEL_CACHE.clear()
+            row = {"key": cfg.key, **dataclasses.asdict(cfg), "kernels": {}}
+            t0 = time.perf_counter()
+            try:
+                _, params, attention = build(BY_NAME[cfg.case], shape, block_size=BLOCK_SIZE)
+                q, k, v, do = inputs(shape, getattr(jnp, cfg.dtype))
+                opts = {"target": "cuda", "compute_capability": cfg.arch}
+
+                def loss(q, k, v, params):
+                    out, _ = attention(q, k, v, params, backend="triton", kernel_options=opts)
+                    return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, params).lower(
+                    lowering_platforms=("cuda",))
+                for info in glob.glob(os.path.join(dump, "*", "*.compile_info")):
+                    name = os.path.basename(info)[: -len(".compile_info")]
+                    with open(info) as f:
+                        smem = int(re.search(r"shared_mem_bytes:\s*(\d+)", f.read()).group(1))
+                    with open(os.path.join(os.path.dirname(info), "config")) as f:
+                        conf = f.read()
+                    warps = re.search(r"'num_warps': (\d+)", conf)
+                    stages = re.search(r"'num_stages': (\d+)", conf)
+                    tiles = "x".join(re.findall(r"\('(?:BLOCK_M|BLOCK_N)', (\d+)\)", conf)) or "?"
+                    regs, st, ld = _ptx_resources(os.path.join(os.path.dirname(info), name + ".ptx"), cfg.arch, ptxas)
+                    row["kernels"][_kernel_kind(name)] = {
+                        "name": name, "smem": smem, "regs": regs, "spill_st": st, "spill_ld": ld, "tiles": tiles,
+                        "warps": int(warps.group(1)) if warps else None,
+                        "stages": int(stages.group(1)) if stages else None}
+            except Exception as e:  # noqa: BLE001 - every failure becomes a table row
+                msg = str(e).strip().splitlines()
+                row["error"] = f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+            finally:
+                shutil.rmtree(dump, ignore_errors=True)
+            row["seconds"] = round(time.perf_counter() - t0, 2)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+
+def check(row) -> list[str]:
+    if "error" in row:
+        return [row["error"]]
+    fails = []
+    kinds = set(row["kernels"])
+    if not {"fwd", "dq", "dkv"} <= kinds:
+        fails.append(f"kernels compiled: {sorted(kinds)}, expected fwd, dq and dkv")
+    for kind, r in sorted(row["kernels"].items()):
+        if r["smem"] > SMEM_LIMIT[row["arch"]]:
+            fails.append(f"{kind}: shared memory {r['smem']} B > {SMEM_LIMIT[row['arch']]} B")
+        if r["spill_st"] + r["spill_ld"] > SPILL_BUDGET[row["dtype"]]:
+            fails.append(f"{kind}: spills {r['spill_st']}+{r['spill_ld']} B > budget {SPILL_BUDGET[row['dtype']]} B")
+    return fails
+
+
+def table(rows, seconds, jobs) -> str:
+    short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+    fails = {r["key"]: check(r) for r in rows}
+    n_fail = sum(bool(f) for f in fails.values())
+    lines = [f"Triton compile suite: {len(rows)} entries, {n_fail} failing, {seconds:.0f} s with {jobs} workers "
+             f"(triton.compile through jax-triton for sm_90 and sm_80; ptxas -v from Triton's bundle).", "",
+             "Worst case per (arch, kernel, dtype, D), over the catalog and MHA/GQA:", "",
+             "| arch | kernel | dtype | D | tiles | warps | stages | max smem (B) | max registers | max spills (B) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for r in rows:
+        for kind, k in r.get("kernels", {}).items():
+            s = summary.setdefault((r["arch"], kind, r["dtype"], r["head_dim"]), [k["tiles"], k["warps"], k["stages"],
+                                                                                0, 0, 0])
+            s[3], s[4], s[5] = max(s[3], k["smem"]), max(s[4], k["regs"]), max(s[5], k["spill_st"] + k["spill_ld"])
+    for (arch, kind, dt, d), (tiles, w, st, smem, regs, spill) in sorted(summary.items(), key=lambda x: (
+            -x[0][0], ("fwd", "dq", "dkv").index(x[0][1]) if x[0][1] in ("fwd", "dq", "dkv") else 9, x[0][2], x[0][3])):
+        lines.append(f"| sm_{arch} | {kind} | {short[dt]} | {d} | {tiles} | {w} | {st} | {smem} | {regs} | {spill} |")
+    lines += ["", "Failures:" if n_fail else "No failures.", ""]
+    lines += [f"- {k}: {'; '.join(f)}" for k, f in sorted(fails.items()) if f]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", default=None, help="regex over 'sm_<arch>/entry/dtype/D<d>/heads'")
+    ap.add_argument("--out", default=os.path.join(HERE, "last_triton_table.md"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        spec = json.loads(args.worker)
+        sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+        worker([Config(**c) for c in spec["cfgs"]], spec["results"])
+        return 0
+    cfgs = configs(args.only)
+    t0 = time.perf_counter()
+    work = tempfile.mkdtemp(prefix="fj_triton_suite_")
+    env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(work, "triton_cache"))
+    procs, results = [], []
+    for j in range(args.jobs):
+        chunk = cfgs[j::args.jobs]
+        if not chunk:
+            continue
+        res = os.path.join(work, f"results_{j}.jsonl")
+        results.append(res)
+        spec = json.dumps({"cfgs": [dataclasses.asdict(c) for c in chunk], "results": res})
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", spec], env=env))
+    codes = [p.wait() for p in procs]
+    rows = []
+    for res in results:
+        if os.path.exists(res):
+            with open(res) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+    done = {r["key"] for r in rows}
+    rows += [{"key": c.key, **dataclasses.asdict(c), "kernels": {}, "error": "worker died before this entry"}
+             for c in cfgs if c.key not in done]
+    text = table(sorted(rows, key=lambda r: r["key"]), time.perf_counter() - t0, args.jobs)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+    shutil.rmtree(work, ignore_errors=True)
+    bad = sum(bool(check(r)) for r in rows)
+    print(f"triton suite: {len(rows)} entries, {bad} failing, worker exit codes {codes}")
+    return 1 if bad or any(codes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
