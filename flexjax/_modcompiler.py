@@ -13,9 +13,17 @@ are the hard part, and the compiler sorts them by what their indices depend on:
   computed from it, for every (b, h, q) in XLA, and the kernel loads a ``(tq, 1)`` row
   block of the result. The same holds for ``kv_idx`` with ``(1, tk)`` column blocks.
   Gradients to such arrays flow back through the prologue's own VJP.
-- any other read (``table[h, kv_idx - q_idx]``) stays in the kernel and becomes a load
-  from the array's ref with clamped indices; Mosaic TPU cannot gather, so there it
-  raises.
+- for target "tpu", a read whose indices depend only on ``b``, ``h`` and the diagonal
+  ``kv_idx - q_idx`` (``table[h, kv_idx - q_idx + S - 1]``, T5's ``table[h,
+  bucket(kv_idx - q_idx)]``) is hoisted too, as a *diagonal* value: the prologue
+  evaluates it for every (b, h, kv_idx - q_idx), and the kernel builds its (tq, tk) tile
+  (a Toeplitz block of one contiguous slice) without a gather. The compiler finds the
+  diagonal by tracking which integer values are affine in ``q_idx`` and ``kv_idx``:
+  ``a * q_idx + c * kv_idx + (terms in b, h)`` with ``c == -a`` is a function of
+  ``kv_idx - q_idx``, and so is anything computed from such values alone.
+- any other read (``table[h, kv_idx * q_idx]``, or on other targets the diagonal reads
+  too) stays in the kernel and becomes a load from the array's ref with clamped indices;
+  Mosaic TPU cannot gather, so there it raises.
 
 Every primitive left in the kernel part, and in its VJP, is checked against the
 target's Pallas lowering rules (targets "cuda" and "tpu"), so an unsupported mod fails
@@ -175,6 +183,9 @@ class CompiledMod:
       arrays: var ids of arrays the kernel gathers from (captured or computed from them).
       row_uses, col_uses: per hoisted value, whether it depends on (b, h).
       avals: the abstract value of every var id.
+      diags: var ids of hoisted values that depend on ``kv_idx - q_idx`` (target "tpu"
+        only), read as (tq, tk) tiles.
+      diag_uses: per diagonal value, whether it depends on (b, h).
     """
 
     mod: StaticMod
@@ -190,6 +201,8 @@ class CompiledMod:
     row_uses: tuple
     col_uses: tuple
     avals: dict
+    diags: tuple = ()
+    diag_uses: tuple = ()
 
     @property
     def name(self) -> str:
@@ -199,6 +212,19 @@ class CompiledMod:
         """dtype in which the prologue hands hoisted value ``var`` to the kernel."""
         dtype = self.avals[var].dtype
         return jnp.int32 if dtype == jnp.bool_ else dtype
+
+    def diag_storage_dtype(self, var: int):
+        """dtype in which the prologue hands diagonal value ``var`` to the kernel: 32-bit.
+
+        The kernel shifts diagonal slices with strided lane rotations, which Mosaic
+        does on 32-bit vectors; booleans and narrow types are widened.
+        """
+        dtype = jnp.dtype(self.avals[var].dtype)
+        if dtype == jnp.bool_ or (jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 4):
+            return jnp.dtype(jnp.int32)
+        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            return jnp.dtype(jnp.float32)
+        return dtype
 
     def reads(self) -> tuple:
         """The kernel part's array reads (dynamic_slice / gather nodes), in order."""
@@ -262,6 +288,34 @@ class CompiledMod:
                 arrays.append(val)
         return rows, cols, tuple(arrays)
 
+    def diagonals(self, consts, batch: int, heads: int, q_len: int, kv_len: int, offset: int, size: int):
+        """Evaluates the diagonal values in XLA.
+
+        Returns one ``(B', H', size)`` array per ``self.diags`` (B' / H' 1 where the value
+        does not depend on b / h), in ``diag_storage_dtype``: entry ``p`` holds the value at
+        ``kv_idx - q_idx = p - offset``. Differences past the true lengths are clamped into
+        ``[-(q_len - 1), kv_len - 1]`` and evaluated at ``q_idx = max(-d, 0)``, ``kv_idx =
+        max(d, 0)``, so the mod sees in-range indices only.
+        """
+        base = dict(zip(self.consts, consts))
+        names = ("score", "b", "h", "q_idx", "kv_idx") if self.mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
+        arg_of = dict(zip(names, self.args))
+        out = []
+        for w, (ub, uh) in zip(self.diags, self.diag_uses):
+            b = jnp.arange(batch, dtype=jnp.int32)[:, None, None] if ub else jnp.zeros((1, 1, 1), jnp.int32)
+            h = jnp.arange(heads, dtype=jnp.int32)[None, :, None] if uh else jnp.zeros((1, 1, 1), jnp.int32)
+            d = jnp.clip(jnp.arange(size, dtype=jnp.int32) - offset, -(q_len - 1), kv_len - 1)[None, None, :]
+
+            def scalar_fn(b, h, d, w=w):
+                env = dict(base)
+                env[arg_of["b"]], env[arg_of["h"]] = b, h
+                env[arg_of["q_idx"]], env[arg_of["kv_idx"]] = jnp.maximum(-d, 0), jnp.maximum(d, 0)
+                (val,) = self._eval_scalar(env, (w,))
+                return jnp.reshape(val, ())
+
+            out.append(jnp.vectorize(scalar_fn)(b, h, d).astype(self.diag_storage_dtype(w)))
+        return tuple(out)
+
     # -- kernel part ------------------------------------------------------------------------
     def evaluate(self, score, b, h, q_idx, kv_idx, rows, cols, load: Callable):
         """The mod on a tile, inside a kernel (or any JAX code).
@@ -270,7 +324,9 @@ class CompiledMod:
           score: f32 tile (score_mods only; None for mask_mods).
           b, h: int32 scalars.
           q_idx, kv_idx: int32 tiles, already clamped into range.
-          rows, cols: tiles of the hoisted values, one per ``self.rows`` / ``self.cols``.
+          rows, cols: tiles of the hoisted values, one per ``self.rows`` / ``self.cols``;
+            ``rows`` continues with one (tq, tk) tile per ``self.diags`` (in
+            ``diag_storage_dtype``), so tile code that passes rows through carries them.
           load: ``load(k, indices) -> tile`` reads ``self.arrays[k]`` at clamped int32
             index tiles (one per array dimension).
 
@@ -280,14 +336,18 @@ class CompiledMod:
         env: dict[int, Any] = {}
         vals = (b, h, q_idx, kv_idx) if score is None else (score, b, h, q_idx, kv_idx)
         env.update(zip(self.args, vals))
-        for ids, vals in ((self.rows, rows), (self.cols, cols)):
+        n = len(self.rows)
+        for ids, vals in ((self.rows, rows[:n]), (self.cols, cols)):
             for v, x in zip(ids, vals):
                 env[v] = x != 0 if self.avals[v].dtype == jnp.bool_ else x
+        for v, x in zip(self.diags, rows[n:]):
+            dtype = self.avals[v].dtype
+            env[v] = x != 0 if dtype == jnp.bool_ else x.astype(dtype)
         arrays = {a: k for k, a in enumerate(self.arrays)}
         for node, side in zip(self.nodes, self.side):
             if side != "k":
                 continue
-            outs = _eval_node(node, env, arrays, load, self.name)
+            outs = _eval_node(node, env, arrays, load, self.name, self.target)
             env.update(zip(node.outs, outs))
         out = self.out.val if isinstance(self.out, Lit) else env[self.out]
         shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx), jnp.shape(score) if score is not None else ())
@@ -307,7 +367,7 @@ def _clamp_index(i, n):
     return jnp.clip(jnp.asarray(i).astype(jnp.int32), 0, n - 1)
 
 
-def _eval_node(node: Node, env, arrays, load, mod_name):
+def _eval_node(node: Node, env, arrays, load, mod_name, target: str = "interpret"):
     name = node.prim.name
     if name == "dynamic_slice":
         operand, *starts = node.ins
@@ -343,6 +403,10 @@ def _eval_node(node: Node, env, arrays, load, mod_name):
         n = max(len(v) for v in ins if isinstance(v, list))
         comps = [[v[i] if isinstance(v, list) else v for v in ins] for i in range(n)]
         return [[node.prim.bind(*_broadcast(c), **node.params) for c in comps]]
+    if target == "tpu" and name == "select_n" and node.out_avals[0].dtype == jnp.bool_:
+        # Mosaic rejects selects between boolean vectors ("Invalid input layout"): select int32.
+        pred, *cases = _broadcast(ins)
+        return [node.prim.bind(pred, *(c.astype(jnp.int32) for c in cases), **node.params) != 0]
     out = node.prim.bind(*_broadcast(ins), **node.params)
     return out if node.prim.multiple_results else [out]
 
@@ -358,6 +422,88 @@ def _deps(nodes, const_ids, arg_tags):
     return deps
 
 
+# Tags of the positional arguments; "r" marks a value that reads them only through kv_idx - q_idx.
+_POSITIONS = frozenset({"q", "kv", "r"})
+# Tag of values computed from a captured-array read along the diagonal (only these are hoisted
+# as diagonals: ALiBi's slope[h] * (kv_idx - q_idx) stays a row value times the kernel's indices).
+_DIAGONAL_READ = "rread"
+# Primitives that keep an integer value the same affine function of q_idx and kv_idx.
+_AFFINE_RENAMES = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
+                             "convert_element_type"})
+_COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+
+
+def _affine(node: Node, coef_of):
+    """(a, c) when the node's integer output is a*q_idx + c*kv_idx + (terms in b, h, arrays), else None."""
+    if node.prim.multiple_results or not jnp.issubdtype(node.out_avals[0].dtype, jnp.integer):
+        return None
+    coefs = [coef_of(x) for x in node.ins]
+    name = node.prim.name
+    if name in ("add", "sub") and None not in coefs:
+        (a1, c1), (a2, c2) = coefs
+        return (a1 + a2, c1 + c2) if name == "add" else (a1 - a2, c1 - c2)
+    if name == "neg" and coefs[0] is not None:
+        return (-coefs[0][0], -coefs[0][1])
+    if name == "mul" and None not in coefs:
+        for x, other in ((node.ins[0], coefs[1]), (node.ins[1], coefs[0])):
+            if isinstance(x, Lit) and np.ndim(x.val) == 0:
+                m = int(x.val)
+                return (m * other[0], m * other[1])
+    if name in _AFFINE_RENAMES and len(node.ins) == 1 and coefs[0] is not None:
+        return coefs[0]
+    return None
+
+
+def _positions(coef) -> frozenset:
+    a, c = coef
+    if a == 0 and c == 0:
+        return frozenset()
+    if a == -c:
+        return frozenset({"r"})
+    return frozenset(({"q"} if a else set()) | ({"kv"} if c else set()))
+
+
+def _diagonal_deps(nodes, const_ids, arg_tags, q_var, kv_var):
+    """``_deps`` with the tag "r" for values that depend on q_idx and kv_idx only through kv_idx - q_idx.
+
+    Integer values affine in the positions carry their coefficients (``kv_idx - q_idx + 7``
+    is (-1, 1)); a comparison of two affine values depends on their difference; any other
+    primitive depends on the positions its operands depend on, so ``bucket(kv_idx - q_idx)``
+    keeps "r" while ``(kv_idx - q_idx) * q_idx`` has "r" and "q" (not diagonal). Reads whose
+    indices have "r" (and no other position) tag their results, and what is computed from
+    them, with ``_DIAGONAL_READ``.
+    """
+    deps = {c: frozenset({"arr"}) for c in const_ids}
+    deps.update(arg_tags)
+    coef = {q_var: (1, 0), kv_var: (0, 1)}
+
+    def coef_of(x):
+        if isinstance(x, Lit):
+            return (0, 0)
+        if x in coef:
+            return coef[x]
+        return None if deps.get(x, frozenset()) & _POSITIONS else (0, 0)
+
+    for node in nodes:
+        d = frozenset().union(*(deps.get(x, frozenset()) for x in node.ins if not isinstance(x, Lit)))
+        c = _affine(node, coef_of)
+        coefs = [coef_of(x) for x in node.ins]
+        if c is not None:
+            pos = _positions(c)
+        elif node.prim.name in _COMPARISONS and len(coefs) == 2 and None not in coefs:
+            pos = _positions((coefs[0][0] - coefs[1][0], coefs[0][1] - coefs[1][1]))
+        else:
+            pos = d & _POSITIONS
+        index = frozenset().union(*(deps.get(x, frozenset()) for x in node.ins[1:] if not isinstance(x, Lit)))
+        diagonal_read = node.prim.name in ("dynamic_slice", "gather") and index & _POSITIONS == {"r"}
+        tag = frozenset({_DIAGONAL_READ}) if diagonal_read else frozenset()
+        for o, aval in zip(node.outs, node.out_avals):
+            deps[o] = (d - _POSITIONS) | pos | tag | ({"arr"} if not _size1(aval) else frozenset())
+            if c is not None:
+                coef[o] = c
+    return deps
+
+
 def _sides(nodes, deps):
     side = []
     for node in nodes:
@@ -366,6 +512,8 @@ def _sides(nodes, deps):
             side.append("q")
         elif "arr" in d and d <= {"arr", "b", "h", "kv"}:
             side.append("kv")
+        elif "arr" in d and _DIAGONAL_READ in d and d <= {"arr", "b", "h", "r", _DIAGONAL_READ}:
+            side.append("r")
         else:
             side.append("k")
     return side
@@ -422,12 +570,17 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     names = ("score", "b", "h", "q_idx", "kv_idx") if mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
     arg_tags = {a: frozenset({_ARG_TAGS[n]}) for a, n in zip(args, names)}
     nodes = tuple(fl.nodes)
-    deps = _deps(nodes, consts, arg_tags)
+    if target == "tpu":
+        # Mosaic cannot gather: reads along the diagonal kv_idx - q_idx are hoisted instead.
+        deps = _diagonal_deps(nodes, consts, arg_tags, args[names.index("q_idx")], args[names.index("kv_idx")])
+    else:
+        deps = _deps(nodes, consts, arg_tags)
     side = _sides(nodes, deps)
 
     # Hoisted values the kernel reads, and arrays it gathers from.
     produced = {o: s for node, s in zip(nodes, side) for o in node.outs}
-    rows, cols, arrays = [], [], []
+    rows, cols, diags, arrays = [], [], [], []
+    hoisted_by_side = {"q": rows, "kv": cols, "r": diags}
     kernel_ins = [x for node, s in zip(nodes, side) if s == "k" for x in node.ins]
     if not isinstance(out, Lit):
         kernel_ins.append(out)
@@ -443,7 +596,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
                 continue
             aval = fl.avals[x]
             if _size1(aval) and "arr" in deps[x] and not (deps[x] <= {"arr"} and aval.shape != ()):
-                hoisted = cols if src == "kv" else rows
+                hoisted = hoisted_by_side[src]
                 if x not in hoisted:
                     hoisted.append(x)
             elif is_read and pos == 0 and deps[x] <= {"arr"}:
@@ -455,15 +608,16 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
                     f"(primitive {node.prim.name!r}); the {_BACKEND[target]} backend reads captured arrays one element "
                     "per position: index them in one step, e.g. table[h, kv_idx - q_idx]")
     if not isinstance(out, Lit) and produced.get(out, "k") != "k":
-        hoisted = cols if produced[out] == "kv" else rows
+        hoisted = hoisted_by_side[produced[out]]
         if out not in hoisted:
             hoisted.append(out)
     for node, s in zip(nodes, side):
         if s == "k" and node.prim.name in ("dynamic_slice", "gather") and target == "tpu":
             raise NotImplementedError(
                 f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
-                f"(primitive {node.prim.name!r}); Mosaic TPU cannot gather inside a kernel. Arrays indexed only "
-                "by b, h and q_idx, or only by b, h and kv_idx, are supported; use backend='xla' for this mod")
+                f"(primitive {node.prim.name!r}) other than through kv_idx - q_idx; Mosaic TPU cannot gather inside "
+                "a kernel. Arrays indexed only by b, h and q_idx, only by b, h and kv_idx, or only by b, h and "
+                "an affine function of kv_idx - q_idx are supported; use backend='xla' for this mod")
         if s == "k" and node.prim.name == "dynamic_slice" and any(sz != 1 for sz in node.params["slice_sizes"]):
             raise NotImplementedError(
                 f"mod {mod.name!r} slices more than one element of a captured array (primitive 'dynamic_slice'); "
@@ -482,7 +636,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     compiled = CompiledMod(mod=mod, target=target, nodes=nodes, args=args, consts=consts, out=out,
                            side=tuple(side), rows=tuple(rows), cols=tuple(cols), arrays=tuple(arrays),
                            row_uses=tuple(uses(r) for r in rows), col_uses=tuple(uses(c) for c in cols),
-                           avals=dict(fl.avals))
+                           avals=dict(fl.avals), diags=tuple(diags), diag_uses=tuple(uses(d) for d in diags))
     _check_kernel_part(compiled)
     return compiled
 
@@ -501,6 +655,7 @@ def _check_kernel_part(c: CompiledMod):
         return c.evaluate(score, jnp.int32(0), jnp.int32(0), q, kv, rows, cols, lambda k, idx: next(it))
 
     rows = tuple(jnp.zeros((tq, 1), c.storage_dtype(r)) for r in c.rows)
+    rows += tuple(jnp.zeros((tq, tk), c.diag_storage_dtype(d)) for d in c.diags)
     cols = tuple(jnp.zeros((1, tk), c.storage_dtype(v)) for v in c.cols)
     loaded = tuple(jnp.zeros((tq, tk), node.out_avals[0].dtype) for node in reads)
     score = jnp.zeros((tq, tk), jnp.float32) if c.mod.kind == "score" else None

@@ -3,9 +3,10 @@
 ``kernel_options={"target": ...}`` emits the platform's kernel whatever the host; the
 lowering runs under an abstract mesh whose device is the target's (an H100 for cuda, a
 TPU v5e for tpu). JAX 0.11's Triton lowering reads the GPU from that mesh when the host
-has none (0.10 fell back to sm_90 by itself). Each catalog entry lowers forward and
-backward where the target supports it, and the others raise the compiler's
-NotImplementedError naming the primitive and the mod.
+has none (0.10 fell back to sm_90 by itself). Every catalog entry lowers forward and
+backward for both targets (on TPU, relative bias and T5 through diagonal values); mods a
+target cannot take raise the compiler's NotImplementedError naming the primitive and the
+mod.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_pallas import TPU_UNSUPPORTED
 
 import flexjax
 
@@ -83,10 +83,6 @@ def test_cuda_lowering(name, grad):
 def test_tpu_lowering(name, grad):
     mesh = _tpu_mesh()
     with jax.sharding.use_abstract_mesh(mesh):
-        if name in TPU_UNSUPPORTED:
-            with pytest.raises(NotImplementedError, match="Mosaic TPU cannot gather"):
-                _lower(name, "tpu", grad, NamedSharding(mesh, P()))
-            return
         text = _lower(name, "tpu", grad, NamedSharding(mesh, P()))
     assert text.count(MOSAIC_CALL) == (3 if grad else 1)
 
@@ -132,8 +128,12 @@ def test_call_primitives_are_inlined(target):
 
 
 def test_tpu_gather_error_names_the_mod():
+    """A table read at an index that is not a function of kv_idx - q_idx alone cannot lower."""
     x = jnp.zeros((1, 8, 2, 16))
-    table = jnp.zeros((2, 15))
-    with pytest.raises(NotImplementedError, match="relative_bias.*'dynamic_slice'.*Mosaic TPU"):
-        flexjax.flex_attention(x, x, x, flexjax.mods.relative_bias(table), backend="pallas",
-                               kernel_options={"target": "tpu"})
+    table = jnp.zeros((2, 64))
+
+    def product_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, (q_idx * kv_idx) % 64]
+
+    with pytest.raises(NotImplementedError, match="product_bias.*'(dynamic_slice|gather)'.*Mosaic TPU"):
+        flexjax.flex_attention(x, x, x, product_bias, backend="pallas", kernel_options={"target": "tpu"})

@@ -82,20 +82,64 @@ def pad_axis(x, axis: int, n: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
+_LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagWindow:
+    """Where a kernel tile finds its diagonal values (``CompiledMod.diags``, TPU template).
+
+    A diagonal value is stored once per (b', h') as a vector ``w`` over ``kv_idx - q_idx``:
+    ``w[offset + kv_idx - q_idx]``. The tile at (q_start, kv_start) reads
+    ``T[i, j] = w[base + tq - 1 + j - i]`` with ``base = kv_start - q_start + offset - (tq -
+    1)``: one contiguous slice, loaded from the lane block at ``base`` rounded down to 128.
+
+    Attributes:
+      offset: index of ``kv_idx - q_idx = 0``; ``offset - (tq - 1)`` is a multiple of 128,
+        so every tile's slice starts on a lane block when tq is a multiple of 128.
+      size: length of the stored vector (a multiple of 128).
+      span: lanes a tile loads (a multiple of 128, >= tq + tk - 1 plus the in-block start).
+      aligned: tq and tk are multiples of 128, so slices start exactly on a lane block.
+    """
+
+    offset: int
+    size: int
+    span: int
+    aligned: bool
+
+
+def diag_window(g: Geom) -> DiagWindow:
+    aligned = g.tq % _LANES == 0 and g.tk % _LANES == 0
+    base0 = _round_up(g.sq - g.tq, _LANES)  # base of the tile q_start = sq - tq, kv_start = 0 is >= 0
+    span = g.tq + g.tk if aligned else _round_up(g.tq + g.tk + _LANES - 1, _LANES)
+    size = _round_up(g.skv - g.tk + base0 + span, _LANES)
+    return DiagWindow(offset=base0 + g.tq - 1, size=size, span=span, aligned=aligned)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prologue:
-    """One mod's hoisted values, shaped for kernels: rows (B', H', sq, 1), cols (B', H', 1, skv)."""
+    """One mod's hoisted values, shaped for kernels: rows (B', H', sq, 1), cols (B', H', 1, skv).
+
+    ``diags`` (B', H', 1, ``diag_window(g).size``) hold the diagonal values (TPU only).
+    """
 
     rows: tuple
     cols: tuple
     arrays: tuple
+    diags: tuple = ()
 
 
 def run_prologue(cm: CompiledMod | None, consts, g: Geom) -> Prologue:
     if cm is None:
         return Prologue((), (), ())
     rows, cols, arrays = cm.prologue(consts, g.B, g.Hq, g.q_len, g.kv_len, g.sq, g.skv)
-    return Prologue(tuple(r[..., None] for r in rows), tuple(c[..., None, :] for c in cols), tuple(arrays))
+    diags = ()
+    if cm.diags:
+        win = diag_window(g)
+        diags = tuple(d[..., None, :] for d in cm.diagonals(consts, g.B, g.Hq, g.q_len, g.kv_len, win.offset,
+                                                              win.size))
+    return Prologue(tuple(r[..., None] for r in rows), tuple(c[..., None, :] for c in cols), tuple(arrays),
+                    diags)
 
 
 def prologues(mods: Mods, score_consts, mask_consts, g: Geom):
@@ -110,7 +154,9 @@ def score_const_grads(cm: CompiledMod | None, consts, g: Geom, d_rows, d_cols, d
     """Pulls the kernels' gradients of hoisted values and arrays back to the captured arrays.
 
     ``d_rows`` / ``d_cols`` are (B, Hq, sq, 1) / (B, Hq, 1, skv) per float row / col (None
-    for the others); ``d_arrays`` holds each float array's gradient (None for the others).
+    for the others); ``d_rows`` continues with one (B, Hq, 1, ``diag_window(g).size``) per
+    diagonal value (None for non-float ones), as kernel tiles carry diagonals with the rows.
+    ``d_arrays`` holds each float array's gradient (None for the others).
     Returns a tuple with one entry per captured array: its gradient, or None if integer.
     """
     consts = tuple(consts)
@@ -125,7 +171,7 @@ def score_const_grads(cm: CompiledMod | None, consts, g: Geom, d_rows, d_cols, d
         for n, c in zip(float_idx, fconsts):
             cs[n] = c
         p = run_prologue(cm, cs, g)
-        return (tuple(x for x in p.rows if is_float(x)), tuple(x for x in p.cols if is_float(x)),
+        return (tuple(x for x in (*p.rows, *p.diags) if is_float(x)), tuple(x for x in p.cols if is_float(x)),
                 tuple(x for x in p.arrays if is_float(x)))
 
     (rows, cols, arrays), vjp = jax.vjp(prologue, tuple(consts[n] for n in float_idx))
