@@ -25,7 +25,7 @@ from catalog import CATALOG  # noqa: E402
 from flexjax import masks, mods  # noqa: E402
 from flexjax._modcompiler import compile_mod  # noqa: E402
 from flexjax._trace import trace_mod  # noqa: E402
-from flexjax.backends.triton import _codegen  # noqa: E402
+from flexjax.backends.triton import _codegen, _launch  # noqa: E402
 
 B, H, SQ, SKV = 2, 4, 96, 80
 BM, BN = 32, 64
@@ -200,8 +200,8 @@ def test_generated_mod_matches_the_compiler(name, kind, fn):
     traced, cm = _compiled(kind, fn)
     gm = _codegen.generate(cm, "m")
     assert _codegen.generate(cm, "m") is gm  # cached by the mod's key
-    fwd = _codegen.load_source(_probe_source(gm, kind, backward=False), "probe", interpret=True).probe_fwd
-    bwd = (_codegen.load_source(_probe_source(gm, kind, backward=True), "probe", interpret=True).probe_bwd
+    fwd = _launch.load(_probe_source(gm, kind, backward=False), True).probe_fwd
+    bwd = (_launch.load(_probe_source(gm, kind, backward=True), True).probe_bwd
            if gm.bwd else None)
     for b, h, q_start, kv_start in TILES:
         score, dout, rows, cols, arrays = _inputs(traced, cm, b, h, q_start, kv_start)
@@ -244,7 +244,7 @@ def test_generated_mods_compile_for_cuda(arch):
         gm = _codegen.generate(cm, "m")
         _, _, rows, cols, arrays = _inputs(traced, cm, 0, 0, 0, 0)
         for backward in ((False, True) if gm.bwd else (False,)):
-            mod = _codegen.load_source(_probe_source(gm, kind, backward), "probe")
+            mod = _launch.load(_probe_source(gm, kind, backward), False)
             fn_ = mod.probe_bwd if backward else mod.probe_fwd
             tmap = {"float32": "fp32", "int32": "i32", "float16": "fp16", "bfloat16": "bf16"}
             sig = {"score_ptr": "*fp32", "dout_ptr": "*fp32"}

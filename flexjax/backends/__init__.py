@@ -14,13 +14,16 @@ _BACKENDS = {
     "reference": "flexjax.backends.reference",
     "xla": "flexjax.backends.xla",
     "pallas": "flexjax.backends.pallas",
+    "triton": "flexjax.backends.triton",
 }
 
-# Ordered choices for backend=None, per platform; each list ends on "xla".
+# Ordered choices for backend=None, per platform; each list ends on "xla". On GPU, "triton"
+# serves only where jax-triton imports (its unsupported_reason says so otherwise, and the
+# call warns that it fell through to "pallas").
 _PLATFORM_ORDER = {
     "cpu": ("xla",),
-    "gpu": ("pallas", "xla"),
-    "cuda": ("pallas", "xla"),
+    "gpu": ("triton", "pallas", "xla"),
+    "cuda": ("triton", "pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
 

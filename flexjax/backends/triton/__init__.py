@@ -1,0 +1,344 @@
+"""The triton backend: FlashAttention kernels written as Triton source, with the user's mods generated into them.
+
+The mod compiler splits each mod into an XLA prologue and a kernel part; ``_codegen``
+writes the kernel part (and its VJP) as ``@triton.jit`` functions, ``_templates`` splices
+them into the forward, dQ and dK/dV kernels, and ``_launch`` runs those through
+``jax_triton.triton_call`` on GPU, or under Triton's interpreter (torch CPU tensors
+through ``jax.pure_callback``) on a CPU host. ``kernel_options={"target": "cuda"}`` emits
+the GPU kernels whatever the host, so lowering works from a CPU machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._modcompiler import compile_mod
+from .._common import lse_of
+from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
+from ..pallas._tile import Mods
+from . import _codegen, _kernels, _launch, _templates
+
+NAME = "triton"
+
+_TARGETS = ("cuda",)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Options of the triton backend (``flex_attention(..., kernel_options={...})``).
+
+    Tiles must be powers of two >= 16 that divide the BlockMask's block or are multiples of it.
+
+    Attributes:
+      target: "cuda": emit GPU kernels (jax_triton) whatever the host; default the host's
+        GPU, or the interpreter on a CPU host.
+      interpret: run the kernels under Triton's interpreter on the host; default True on
+        a CPU host when no target is given.
+      compute_capability: the GPU to compile for, as 80 (sm_80) or 90 (sm_90); default
+        the device's, 90 when lowering from a CPU host. Also selects the heuristics' table.
+      block_q, block_kv: forward tile.
+      bwd_block_q, bwd_block_kv: tile of both backward kernels.
+      num_warps, num_stages: forward Triton launch parameters.
+      bwd_num_warps, bwd_num_stages: backward Triton launch parameters.
+      autotune: search a few (num_warps, num_stages) configs per kernel with
+        ``triton.autotune`` at the first run (GPU only); given warps / stages restrict
+        the search to those values.
+    """
+
+    target: str | None = None
+    interpret: bool | None = None
+    compute_capability: int | None = None
+    block_q: int | None = None
+    block_kv: int | None = None
+    bwd_block_q: int | None = None
+    bwd_block_kv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bwd_num_warps: int | None = None
+    bwd_num_stages: int | None = None
+    autotune: bool | None = None
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
+_TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
+_LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
+
+# Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
+# stages, bwd block_q, bwd block_kv, warps, stages). The forward rows start from PyTorch
+# FlexAttention's (torch/_inductor/kernel/flex_attention.py, _h100_default_config /
+# _a100_default_config), whose kernels have the same loop structure; the backward rows
+# are its 64x64 tiles, with fewer stages on sm_80 (164 KiB of shared memory against 227 KiB),
+# 16x16 for float32 as torch uses, and 32x32 at D=256 so the Q / dO tiles stay small.
+# Shared memory per kernel, from jax_triton's compile (prefix_lm+relative_bias and
+# document+t5, GQA, with gradients; tests_triton checks the worst against the limit): the
+# largest is the forward, 193 KiB at sm_90 16-bit D=128 and 172 KiB at float32 D=256.
+# Not yet timed on hardware.
+_SM90 = {
+    # torch's 128x128 needs 241 KiB here (a table gather stages its tile in shared memory);
+    # 128x64 needs 129 KiB.
+    (2, 64): (128, 64, 4, 3, 64, 64, 4, 3),
+    (2, 128): (128, 64, 8, 3, 64, 64, 8, 3),
+    (2, 256): (64, 32, 4, 3, 32, 32, 8, 2),
+    (4, 64): (128, 32, 4, 3, 16, 16, 4, 1),
+    (4, 128): (32, 64, 4, 3, 16, 16, 4, 1),
+    (4, 256): (32, 32, 4, 3, 16, 16, 4, 1),
+}
+_SM80 = {
+    (2, 64): (128, 64, 4, 2, 64, 64, 4, 2),
+    (2, 128): (128, 64, 8, 2, 64, 64, 4, 2),
+    (2, 256): (32, 64, 4, 2, 32, 32, 4, 2),
+    (4, 64): (128, 32, 4, 2, 16, 16, 4, 1),
+    (4, 128): (64, 32, 4, 2, 16, 16, 4, 1),
+    (4, 256): (32, 16, 4, 2, 16, 16, 4, 1),
+}
+# The (num_warps, num_stages) pairs autotune searches, besides the heuristics' own.
+_AUTOTUNE = ((4, 2), (4, 3), (8, 2), (8, 3))
+
+
+def _pad_dim(n: int) -> int:
+    """Triton tiles need power-of-two sizes; tl.dot at least 16. Zero columns change no dot product."""
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16
+               ) -> KernelOptions:
+    """Default tiles and launch parameters for sm_``compute_capability`` (sm_80 and sm_90 tables).
+
+    Capabilities from 90 up take the sm_90 row, 80 to 89 the sm_80 row; head dims above 256
+    the 256 row. A tile that does not divide the BlockMask's block becomes the block.
+    """
+    bq, bkv = block_size
+    d = min(max(64, _pad_dim(head_dim)), 256)
+    table = _SM90 if compute_capability >= 90 else _SM80
+    fq, fk, fw, fs, bq_, bk_, bw, bs = table[(min(jnp.dtype(dtype).itemsize, 4), d)]
+    return KernelOptions(target="cuda", interpret=False, compute_capability=int(compute_capability),
+                         block_q=_fit(fq, bq), block_kv=_fit(fk, bkv), bwd_block_q=_fit(bq_, bq),
+                         bwd_block_kv=_fit(bk_, bkv), num_warps=fw, num_stages=fs, bwd_num_warps=bw,
+                         bwd_num_stages=bs, autotune=False)
+
+
+def _fit(tile: int, block: int) -> int:
+    return tile if block % tile == 0 else block
+
+
+def _device_capability() -> int | None:
+    """The compute capability of JAX's first GPU, or None without one."""
+    if jax.default_backend() not in ("gpu", "cuda"):
+        return None
+    major, _, minor = str(getattr(jax.devices()[0], "compute_capability", "")).partition(".")
+    if not (major.isdigit() and (minor or "0").isdigit()):
+        return None  # not an NVIDIA GPU (ROCm names its targets gfx...)
+    return int(major) * 10 + int(minor or 0)
+
+
+def _host_target() -> str | None:
+    return "cuda" if jax.default_backend() in ("gpu", "cuda") and _device_capability() is not None else None
+
+
+def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
+    opts = spec.options
+    target = opts.get("target") or _host_target()
+    interpret = opts.get("interpret")
+    if interpret is None:
+        interpret = target is None
+    cc = opts.get("compute_capability") or _device_capability() or 90
+    if interpret:
+        # Interpret mode: the mask's own block, so each interpreted step is one mask tile.
+        bq, bkv = spec.block_size
+        default = KernelOptions(block_q=bq, block_kv=bkv, bwd_block_q=bq, bwd_block_kv=bkv, num_warps=4,
+                                num_stages=1, bwd_num_warps=4, bwd_num_stages=1)
+    else:
+        default = heuristics(cc, spec.block_size, head_dim, dtype)
+    values = {f: opts[f] if opts.get(f) is not None else getattr(default, f) for f in _FIELDS}
+    values.update(target=target, interpret=bool(interpret), compute_capability=int(cc),
+                  autotune=bool(opts.get("autotune")))
+    return KernelOptions(**values)
+
+
+def _check_options(opts: dict, block_size):
+    for f in _TILE_FIELDS + _LAUNCH_FIELDS:
+        val = opts.get(f)
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
+            raise ValueError(f"kernel_options[{f!r}] must be a positive int, got {val!r}")
+        if f in _TILE_FIELDS:
+            base = block_size[0] if f.endswith("block_q") else block_size[1]
+            if val % base and base % val:
+                raise ValueError(f"kernel_options[{f!r}]={val} must divide the BlockMask's block ({base}) or be a "
+                                 f"multiple of it")
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"kernel_options[{f!r}] must be a power of two >= 16 (a Triton tile), got {val}")
+    target = opts.get("target")
+    if target is not None and target not in _TARGETS:
+        raise ValueError(f"kernel_options['target'] must be one of {_TARGETS} or None, got {target!r}")
+    for f in ("interpret", "autotune"):
+        val = opts.get(f)
+        if val is not None and not isinstance(val, (bool, np.bool_)):
+            raise ValueError(f"kernel_options[{f!r}] must be a bool, got {val!r}")
+    cc = opts.get("compute_capability")
+    if cc is not None and (isinstance(cc, bool) or not isinstance(cc, (int, np.integer)) or cc < 80):
+        raise ValueError(f"kernel_options['compute_capability'] must be an int >= 80 such as 80 (sm_80) or 90 "
+                         f"(sm_90), got {cc!r}")
+
+
+def _missing_modules(interpret: bool) -> str | None:
+    needed = ("triton", "torch") if interpret else ("triton", "jax_triton")
+    for name in needed:
+        try:
+            __import__(name)
+        except Exception as e:  # jax_triton also fails to import without a CUDA jaxlib plugin
+            use = "Triton's interpreter" if interpret else "GPU kernels"
+            pip = name.replace("_", "-")
+            return f"the triton backend needs the {name!r} package for {use} ({e}); pip install {pip}"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(score, mask, grads: bool):
+    """The compiled mods, the template plan and its source (the codegen raises NotImplementedError)."""
+    cms = Mods(score=compile_mod(score, "triton") if score is not None else None,
+               mask=compile_mod(mask, "triton") if mask is not None else None)
+    plan = _templates.Plan(score=_codegen.generate(cms.score, prefix="score") if cms.score is not None else None,
+                           mask=_codegen.generate(cms.mask, prefix="mask") if cms.mask is not None else None,
+                           grads=grads and cms.score is not None)
+    return cms, plan, _templates.source(plan)
+
+
+def unsupported_reason(spec, q, k, v):
+    """None if the triton backend can serve this call, else why not.
+
+    Raises:
+      ValueError: a kernel_options value is invalid.
+    """
+    opts = spec.options
+    unknown = sorted(set(opts) - set(_FIELDS))
+    if unknown:
+        return f"unknown kernel_options {unknown} for the triton backend; it takes {list(_FIELDS)}"
+    _check_options(opts, spec.block_size)
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"the triton backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
+    if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
+        return f"the triton backend has no kernel for platform {jax.default_backend()!r}; it runs on NVIDIA GPUs"
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    if not o.interpret and o.target is None:
+        return ("kernel_options['interpret']=False needs GPU kernels: pass kernel_options={'target': 'cuda'} to lower "
+                "for a GPU from this host, or run on a GPU host")
+    missing = _missing_modules(o.interpret)
+    if missing:
+        return missing
+    if o.interpret and q.dtype == jnp.bfloat16 and not _launch.interpreter_bf16_dot_ok():
+        import triton
+
+        return (f"Triton's interpreter (Triton {triton.__version__}) computes bfloat16 dot products wrong, so the "
+                "triton backend runs float32 and float16 only in it; cast the inputs, or lower for the GPU with "
+                "kernel_options={'target': 'cuda'}")
+    if o.autotune and o.interpret:
+        return "kernel_options['autotune'] needs GPU kernels; it does nothing in Triton's interpreter"
+    for f in _TILE_FIELDS:
+        val = getattr(o, f)
+        if val < 16 or val & (val - 1):
+            return (f"Triton tiles must be powers of two >= 16, got {f}={val} (from the BlockMask's block_size "
+                    f"{spec.block_size}); set kernel_options {f!r} or build the BlockMask with a power-of-two "
+                    "block_size >= 16")
+    try:
+        _plan(spec.score, spec.mask, False)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def _autotune_configs(spec, o: KernelOptions, backward: bool):
+    """The autotune search: the heuristics' pair and ``_AUTOTUNE``, restricted to given warps / stages."""
+    opts = spec.options
+    w_key, s_key = ("bwd_num_warps", "bwd_num_stages") if backward else ("num_warps", "num_stages")
+    warps, stages = getattr(o, w_key), getattr(o, s_key)
+    configs = {(warps, stages), *_AUTOTUNE}
+    return tuple(sorted((w, s) for w, s in configs
+                        if (opts.get(w_key) is None or w == warps) and (opts.get(s_key) is None or s == stages)))
+
+
+def _run(spec, o: KernelOptions, backward: bool):
+    warps, stages = (o.bwd_num_warps, o.bwd_num_stages) if backward else (o.num_warps, o.num_stages)
+    return _kernels.Launch(interpret=o.interpret, num_warps=warps, num_stages=stages,
+                           compute_capability=o.compute_capability,
+                           autotune=_autotune_configs(spec, o, backward) if o.autotune else None,
+                           chunk=16 if o.interpret else 2)
+
+
+def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
+    tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
+    g, lists = geometry(spec, q, k, lists, tq, tk)
+    D, Dv = _pad_dim(q.shape[-1]), _pad_dim(v.shape[-1])
+    qp = pad_axis(pad_axis(q, 1, g.sq), 3, D)
+    kp = pad_axis(pad_axis(k, 1, g.skv), 3, D)
+    vp = pad_axis(pad_axis(v, 1, g.skv), 3, Dv)
+    return g, lists, qp, kp, vp
+
+
+# Rows whose max score is at least this large in magnitude are recomputed in the backward
+# from their max and sum rather than from lse: in float32, lse = max + log(sum) keeps
+# log(sum) only to ulp(max) (at 2**12, 2.4e-4 relative in P; at 1e30, not at all).
+_HUGE_ROW = 2.0**12
+
+
+def forward(spec, q, k, v, score_consts, mask_consts, lists):
+    """out (B, Sq, Hq, Dv) in the query's dtype and lse (B, Hq, Sq) float32."""
+    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+    return out, lse
+
+
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
+    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32."""
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    mods, plan, source = _plan(spec.score, spec.mask, False)
+    g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
+    s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
+    out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
+                                             _run(spec, o, backward=False))
+    Sq = q.shape[1]
+    row_max, row_sum = row_max[:, :, :Sq], row_sum[:, :, :Sq]
+    return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
+
+
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
+    """dq, dk, dv and the score_mod's captured-array gradients.
+
+    ``residuals``: the (row max, row sum) of ``forward_with_residuals``. Rows with a huge
+    max (see ``_HUGE_ROW``) run the kernels with their max in lse's place, which gives
+    P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS = P (dP - delta)
+    come out exact. The row / column / array-read gradients are only reduced when a
+    captured float array is differentiated (``grad_consts``).
+    """
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    wanted = any(grad_consts)
+    mods, plan, source = _plan(spec.score, spec.mask, wanted)
+    g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
+    s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
+    B, Sq, Hq, D = q.shape
+    Dv = v.shape[-1]
+    # delta = rowsum(dO * O); a cotangent on lse adds P * dlse to dS, i.e. delta - dlse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    # Rows with no allowed key (lse -inf) and padded rows only meet masked pairs; a finite
+    # lse keeps exp(s - lse) from overflowing there before the mask zeroes it.
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    row_max, row_sum = residuals
+    huge = (jnp.abs(row_max) >= _HUGE_ROW) & (row_sum > 0)
+    inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
+    lse_safe = jnp.where(huge, row_max, lse_safe)
+    delta = pad_axis(delta * inv_sum, 2, g.sq)
+    lse_safe = pad_axis(lse_safe, 2, g.sq)
+    dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
+    dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
+    dq, dk, dv, d_rows, d_cols, d_arrays = _kernels.backward(
+        plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
+        _run(spec, o, backward=True))
+    dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if plan.grads
+              else tuple(None for _ in score_consts))
+    return dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore
