@@ -112,6 +112,12 @@ def _check_block_mask(block_mask, query_shape, Skv):
     check_broadcast(block_mask.mask, Bm, Hm, data_shape=(B, Hq))
 
 
+def _and(names) -> str:
+    """'a', 'a' and 'b', 'a', 'b' and 'c'."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
 def _options_tuple(kernel_options, backend) -> tuple:
     """``kernel_options`` as a sorted tuple, after checking every key against the backends.
 
@@ -136,7 +142,7 @@ def _options_tuple(kernel_options, backend) -> tuple:
             chosen = f"backend={backend!r}" if backend is not None else (
                 f"backend=None (which picks from {list(candidates)} on {jax.default_backend()})")
             raise ValueError(
-                f"kernel_options key {k!r} is taken by backend {' and '.join(map(repr, takers))}, not by {chosen}; "
+                f"kernel_options key {k!r} is taken by backend {_and(takers)}, not by {chosen}; "
                 f"pass backend={takers[0]!r} or drop the key. The backends take {listing}")
     return tuple(sorted(kernel_options.items()))
 

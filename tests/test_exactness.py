@@ -179,9 +179,10 @@ def test_kernel_options_typo_names_every_backends_keys():
     with pytest.raises(ValueError, match=r"unknown kernel_options key 'blok_q'.*reference: \(none\).*"
                                          r"xla: block_q, block_kv.*pallas: target, interpret"):
         flex_attention(q, k, v, kernel_options={"blok_q": 32})
-    with pytest.raises(ValueError, match=r"'num_warps' is taken by backend 'pallas', not by backend='xla'"):
+    with pytest.raises(ValueError,
+                       match=r"'num_warps' is taken by backend 'pallas' and 'triton', not by backend='xla'"):
         flex_attention(q, k, v, backend="xla", kernel_options={"num_warps": 4})
-    with pytest.raises(ValueError, match=r"'interpret' is taken by backend 'pallas', not by backend=None"):
+    with pytest.raises(ValueError, match=r"'interpret' is taken by backend 'pallas' and 'triton', not by backend=None"):
         flex_attention(q, k, v, kernel_options={"interpret": True})
 
 

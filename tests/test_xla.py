@@ -108,7 +108,7 @@ def test_bad_kernel_options():
     bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, 192, 192, block_size=64)
     with pytest.raises(ValueError, match="block_q.*multiple of the BlockMask's block"):
         flexjax.flex_attention(q, k, v, block_mask=bm, backend="xla", kernel_options={"block_q": 96})
-    with pytest.raises(ValueError, match="'num_warps' is taken by backend 'pallas', not by backend='xla'"):
+    with pytest.raises(ValueError, match="'num_warps' is taken by backend 'pallas' and 'triton', not by backend='xla'"):
         flexjax.flex_attention(q, k, v, block_mask=bm, backend="xla", kernel_options={"num_warps": 4})
 
 
