@@ -138,7 +138,7 @@ def _first_error_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:400]
 
 
-def worker(cfgs, dump_dir, results_path, overrides):
+def worker(cfgs, dump_dir, results_path, overrides, keep_dump=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -241,6 +241,8 @@ def worker(cfgs, dump_dir, results_path, overrides):
                 smem = _thunk_resources([f for f in files if f.endswith("thunk_sequence.txt")])
                 row["kernels"] = {k: {**smem.get(k, {}), **regs.get(k, {})} for k in KERNELS
                                   if k in smem or k in regs}
+            if keep_dump:
+                shutil.copytree(dump_dir, os.path.join(keep_dump, cfg.key.replace("/", "_")), dirs_exist_ok=True)
             for f in glob.glob(os.path.join(dump_dir, "*")):
                 shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
             out.write(json.dumps(row) + "\n")
@@ -369,12 +371,14 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "last_table.md"))
     ap.add_argument("--kernel-options", default="{}",
                     help="JSON of kernel_options over the heuristics, for tuning (e.g. '{\"bwd_num_warps\": 8}')")
+    ap.add_argument("--keep-dump", default=None,
+                    help="copy each entry's XLA dump (PTX, thunk sequence) to DIR/<target_entry_dtype_D_heads>")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     cfgs = configs(a.targets.split(","), a.only)
     if a.worker:
         i, n, dump_dir, results = a.worker.split(":", 3)
-        worker(cfgs[int(i)::int(n)], dump_dir, results, json.loads(a.kernel_options))
+        worker(cfgs[int(i)::int(n)], dump_dir, results, json.loads(a.kernel_options), a.keep_dump)
         return 0
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="flexjax_compile_")
@@ -390,6 +394,8 @@ def main():
                "--worker", f"{i}:{jobs}:{dump}:{os.path.join(tmp, f'results{i}.jsonl')}"]
         if a.only:
             cmd += ["--only", a.only]
+        if a.keep_dump:
+            cmd += ["--keep-dump", os.path.abspath(a.keep_dump)]
         log = open(os.path.join(tmp, f"worker{i}.log"), "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     codes = [p.wait() for p, _ in procs]

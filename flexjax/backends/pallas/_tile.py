@@ -143,12 +143,14 @@ class TileGrads:
 
 
 def backward_tile(mods, q, k, v, do, lse, delta, t: Tile, scale, masked: bool,
-                  score_in: ModInputs, mask_in: ModInputs) -> TileGrads:
+                  score_in: ModInputs, mask_in: ModInputs, *, qk=None, dov=None) -> TileGrads:
     """Recomputes P of one tile and pushes dS through the score_mod's VJP.
 
     ``lse`` and ``delta`` are (tq, 1) float32 with -inf lse already replaced by 0.
+    ``qk`` and ``dov``: q·kᵀ and dO·vᵀ (tq, tk) float32 when the caller forms them itself
+    (then q, k, v and do are not read).
     """
-    s_raw = dot_nt(q, k) * scale
+    s_raw = (dot_nt(q, k) if qk is None else qk) * scale
     ok = allowed(mods, t, mask_in) if masked else None
     sm = mods.score
     reads: list = []
@@ -176,7 +178,7 @@ def backward_tile(mods, q, k, v, do, lse, delta, t: Tile, scale, masked: bool,
     p = jnp.exp(s - lse)
     if masked:
         p = jnp.where(ok, p, 0.0)
-    dp = dot_nt(do, v)
+    dp = dot_nt(do, v) if dov is None else dov
     ds = p * (dp - delta)
     if sm is None:
         return TileGrads(p, ds, (), (), ())
