@@ -137,7 +137,14 @@ class _Flattener:
         for eqn in jaxpr.eqns:
             ins = [self.atom(env, v) for v in eqn.invars]
             name = eqn.primitive.name
-            if name in _CALLS:
+            if name == "custom_jvp_call" and _elementwise_call(eqn):
+                # Kept whole, so that differentiating the kernel part uses the function's own
+                # JVP rule (jax.nn.relu's is 0 at 0; its inlined max(x, 0) would give 0.5).
+                outs = [self.new(v.aval) for v in eqn.outvars]
+                self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
+                                       tuple(v.aval for v in eqn.invars),
+                                       tuple(v.aval for v in eqn.outvars)))
+            elif name in _CALLS:
                 sub = eqn.params.get(_CALLS[name])
                 if sub is None:
                     raise NotImplementedError(
@@ -164,6 +171,23 @@ class _Flattener:
             raise NotImplementedError(
                 f"mod {self.mod_name!r} closes over an array inside a nested jit; pass it from the outer function")
         return Lit(arr.reshape(()))
+
+
+def _elementwise_call(eqn) -> bool:
+    """A call on scalars whose body reads no captured array (so the analysis needs no look inside)."""
+    if len(eqn.outvars) != 1 or any(not _size1(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        return False
+    sub, consts = _open(eqn.params["call_jaxpr"])
+    if any(np.size(c) != 1 for c in consts):
+        return False
+    return not ({"dynamic_slice", "gather", "dynamic_update_slice", "scatter", "scatter-add"}
+                & _collect_prims(sub, set()))
+
+
+def bind(node: Node, vals):
+    """Applies ``node``'s primitive to ``vals``, as ``jax.core.eval_jaxpr`` does (call primitives
+    get their sub-functions back from their params; JAX 0.10 and 0.11 alike)."""
+    return node.prim.bind(*vals, **node.prim.get_bind_params(node.params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +268,7 @@ class CompiledMod:
         for n in sorted(needed):
             node = self.nodes[n]
             vals = [x.val if isinstance(x, Lit) else env[x] for x in node.ins]
-            out = node.prim.bind(*vals, **node.params)
+            out = bind(node, vals)
             env.update(zip(node.outs, out if node.prim.multiple_results else [out]))
         return tuple(env[w] for w in wanted)
 
@@ -394,6 +418,9 @@ def _eval_node(node: Node, env, arrays, load, mod_name, target: str = "interpret
                 fill = jnp.nan if jnp.issubdtype(node.out_avals[0].dtype, jnp.inexact) else 0
             val = jnp.where(inside, val, jnp.asarray(fill, node.out_avals[0].dtype))
         return [val]
+    if name == "custom_jvp_call":
+        # Traced for scalars: vmapped over the tile, which keeps its JVP rule.
+        return [jnp.vectorize(lambda *a: bind(node, a)[0])(*(_value(x, env) for x in node.ins))]
     ins = [_value(x, env) for x in node.ins]
     if name == "concatenate":
         return [[c for v in ins for c in (v if isinstance(v, list) else [v])]]
@@ -402,12 +429,12 @@ def _eval_node(node: Node, env, arrays, load, mod_name, target: str = "interpret
     if any(isinstance(v, list) for v in ins):
         n = max(len(v) for v in ins if isinstance(v, list))
         comps = [[v[i] if isinstance(v, list) else v for v in ins] for i in range(n)]
-        return [[node.prim.bind(*_broadcast(c), **node.params) for c in comps]]
+        return [[bind(node, _broadcast(c)) for c in comps]]
     if target == "tpu" and name == "select_n" and node.out_avals[0].dtype == jnp.bool_:
         # Mosaic rejects selects between boolean vectors ("Invalid input layout"): select int32.
         pred, *cases = _broadcast(ins)
         return [node.prim.bind(pred, *(c.astype(jnp.int32) for c in cases), **node.params) != 0]
-    out = node.prim.bind(*_broadcast(ins), **node.params)
+    out = bind(node, _broadcast(ins))
     return out if node.prim.multiple_results else [out]
 
 

@@ -52,6 +52,11 @@ def _zoo_int(score, b, h, q_idx, kv_idx):
     return jnp.where(keep, score + x, score - x) + jnp.maximum(d, -3) * 0.1 + jax.lax.shift_right_logical(d, 28)
 
 
+def _relu_softplus(score, b, h, q_idx, kv_idx):
+    """custom_jvp functions: their own rule (relu' = 0 at 0) must reach the generated VJP."""
+    return jax.nn.relu(score) + 0.5 * jax.nn.softplus(score)
+
+
 def _fill_table(table):
     def fill(score, b, h, q_idx, kv_idx):
         idx = q_idx - kv_idx + 20
@@ -75,6 +80,7 @@ def _cases():
         ("zoo_int", "score", _zoo_int),
         ("fill_gather", "score", _fill_table(table)),
         ("soft_cap_array", "score", mods.soft_cap(jnp.asarray(1.5))),
+        ("custom_jvp_relu_softplus", "score", _relu_softplus),
         ("alibi_slopes", "score", mods.alibi_from_slopes(jnp.linspace(0.1, 0.9, H))),
         ("sliding_window", "mask", masks.sliding_window(17)),
         ("dilated", "mask", masks.dilated(3) if hasattr(masks, "dilated") else masks.causal),
@@ -268,3 +274,22 @@ def test_every_catalog_primitive_has_a_translation():
     assert seen <= _codegen.SUPPORTED_PRIMITIVES
     assert {"tanh", "dynamic_slice", "select_n", "rem", "div"} <= seen
 
+
+def test_triton_backend_uses_the_custom_jvp_rule():
+    """Scores of exactly 0 (zero queries): relu's rule gives 0 there, its inlined max(x, 0) 0.5."""
+    import flexjax
+
+    B, S, H, D = 1, 128, 2, 16
+    q = jnp.zeros((B, S, H, D)).at[:, ::2].set(jax.random.normal(jax.random.PRNGKey(0), (B, S // 2, H, D)))
+    k = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, D))
+    v = jax.random.normal(jax.random.PRNGKey(2), (B, S, H, D))
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, S, S, block_size=64)
+
+    def grads(backend):
+        def loss(q, k, v):
+            return jnp.sum(flexjax.flex_attention(q, k, v, _relu_softplus, bm, backend=backend) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for name, g, w in zip("qkv", grads("triton"), grads("reference")):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4, err_msg=f"d{name}")

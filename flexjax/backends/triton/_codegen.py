@@ -61,7 +61,7 @@ SUPPORTED_PRIMITIVES = frozenset(
     set(_SHAPE_ONLY) | set(_BINARY) | set(_UNARY_TL) | set(_UNARY_HELPER)
     | {"div", "rem", "neg", "sign", "max", "min", "not", "select_n", "convert_element_type", "clamp",
        "integer_pow", "square", "rsqrt", "is_finite", "shift_right_logical", "concatenate", "pow",
-       "dynamic_slice", "gather", "stop_gradient"})
+       "dynamic_slice", "gather", "stop_gradient", "custom_jvp_call"})
 
 _HELPERS = {
     # |x| < 0.3: the odd Taylor series to x^13 (next term 2e-11 relative); beyond, (1 - t) / (1 + t)
@@ -188,6 +188,16 @@ class _Emitter:
                 raise self.unsupported(name)
             return [load(node, env)]
         ins = [self.value(x, env) for x in node.ins]
+        if name == "custom_jvp_call":
+            # Its body, inlined (the VJP was traced through its own rule already).
+            sub, consts = _open(node.params["call_jaxpr"])
+            fl = _Flattener(self.mod_name, "triton")
+            sub_ins = [fl.new(v.aval) for v in sub.invars]
+            outs = fl.run(sub, [fl._const(c) for c in consts] + sub_ins, [*sub.constvars, *sub.invars])
+            sub_env = dict(zip(sub_ins, ins))
+            for n in fl.nodes:
+                sub_env.update(zip(n.outs, self.node(n, sub_env)))
+            return [self.value(o, sub_env) for o in outs]
         if name == "concatenate":
             return [[c for v in ins for c in (v if isinstance(v, list) else [v])]]
         if name in _SHAPE_ONLY or name == "stop_gradient":
