@@ -34,10 +34,12 @@ $(CSTAMP): pyproject.toml
 	$(CPY) -m pip install -q -e '.[compile]'
 	touch $(CSTAMP)
 
-# Then the triton backend's checks (tests_triton/): its mod code generator and kernels under Triton's
-# interpreter against the reference, lowering for cuda, and triton.compile for sm_90 and sm_80.
+# Then the triton backend's: every kernel compiled for sm_90 and sm_80 with the same resource checks
+# (triton_suite.py), and tests_triton/ (its generated mods and kernels under Triton's interpreter
+# against the reference, and its lowering for cuda).
 test-compile: $(CSTAMP)
 	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
+	$(CPY) tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md
 	JAX_PLATFORMS=cpu PYTHONPATH=tests $(CPY) -m pytest -q -n 2 tests_triton
 
 bench: $(STAMP)
