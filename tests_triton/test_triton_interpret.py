@@ -25,7 +25,6 @@ SHAPES = {
     "mha": (2, 128, 128, 2, 2, 16, 16),
     "mqa_ragged": (1, 100, 70, 2, 1, 8, 16),
 }
-F16 = ("causal+soft_cap", "sliding_window+alibi", "prefix_lm+relative_bias", "document+t5")
 
 
 def _run(case, shape, dtype, backend, kernel_options=None, block_size=64):
@@ -59,7 +58,7 @@ def test_catalog_float32(name):
     _check(name)
 
 
-@pytest.mark.parametrize("name", F16)
+@pytest.mark.parametrize("name", [c.name for c in CATALOG])
 def test_catalog_float16(name):
     _check(name, dtype=jnp.float16)
 
