@@ -127,9 +127,12 @@ def worker(cfgs, results_path):
                         smem = int(re.search(r"shared_mem_bytes:\s*(\d+)", f.read()).group(1))
                     with open(os.path.join(os.path.dirname(info), "config")) as f:
                         conf = f.read()
-                    warps = re.search(r"'num_warps': (\d+)", conf)
-                    stages = re.search(r"'num_stages': (\d+)", conf)
-                    tiles = "x".join(re.findall(r"\('(?:BLOCK_M|BLOCK_N)', (\d+)\)", conf)) or "?"
+                    # The dump's config holds the constexprs as ('TQ', 64) pairs and the
+                    # launch options as CUDAOptions(num_warps=8, ..., num_stages=3, ...).
+                    warps = re.search(r"\bnum_warps=(\d+)", conf)
+                    stages = re.search(r"\bnum_stages=(\d+)", conf)
+                    tq, tk = (re.search(rf"\('{t}', (\d+)\)", conf) for t in ("TQ", "TK"))
+                    tiles = f"{tq.group(1)}x{tk.group(1)}" if tq and tk else "?"
                     regs, st, ld = _ptx_resources(os.path.join(os.path.dirname(info), name + ".ptx"), cfg.arch, ptxas)
                     row["kernels"][_kernel_kind(name)] = {
                         "name": name, "smem": smem, "regs": regs, "spill_st": st, "spill_ld": ld, "tiles": tiles,

@@ -69,32 +69,61 @@ _TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
 _LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
 
 # Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
-# stages, bwd block_q, bwd block_kv, warps, stages). The forward rows start from PyTorch
-# FlexAttention's (torch/_inductor/kernel/flex_attention.py, _h100_default_config /
-# _a100_default_config), whose kernels have the same loop structure; the backward rows
-# are its 64x64 tiles, with fewer stages on sm_80 (164 KiB of shared memory against 227 KiB),
-# 16x16 for float32 as torch uses, and 32x32 at D=256 so the Q / dO tiles stay small.
-# Shared memory per kernel, from jax_triton's compile (prefix_lm+relative_bias and
-# document+t5, GQA, with gradients; tests_triton checks the worst against the limit): the
-# largest is the forward, 193 KiB at sm_90 16-bit D=128 and 172 KiB at float32 D=256.
+# stages, bwd block_q, bwd block_kv, warps, stages), each chosen from the compile suite
+# (tests_compile/triton_suite.py: ptxas -v on jax_triton's PTX, catalog x MHA / GQA with
+# gradients; budget 0 B spilled per thread for 16-bit, 1 KiB for float32, and the arch's
+# shared memory). Each comment gives the worst catalog entry's registers / spills / shared
+# memory for the row (the full suite's worst), and what the larger tiles tried spilled (on
+# the GQA entries with mods). The forward rows start from PyTorch FlexAttention's
+# (torch/_inductor/kernel/flex_attention.py); the 16-bit backward ones are mostly 32x64 /
+# 8 warps, as the pallas backend's, where torch's 64x64 spilled. float32 products are
+# exact (FMA, no tensor cores), which holds whole operand rows per thread: its tiles are
+# small, and stages matter (sm_90 f32 D=128 32x64/8w: 3 stages spilled 1268 B, 2 none).
 # Not yet timed on hardware.
 _SM90 = {
-    # torch's 128x128 needs 241 KiB here (a table gather stages its tile in shared memory);
-    # 128x64 needs 129 KiB.
-    (2, 64): (128, 64, 4, 3, 64, 64, 4, 3),
-    (2, 128): (128, 64, 8, 3, 64, 64, 8, 3),
-    (2, 256): (64, 32, 4, 3, 32, 32, 8, 2),
-    (4, 64): (128, 32, 4, 3, 16, 16, 4, 1),
-    (4, 128): (32, 64, 4, 3, 16, 16, 4, 1),
-    (4, 256): (32, 32, 4, 3, 16, 16, 4, 1),
+    # fwd 128x64/4w/3st: 255 regs, 0 spills, 129 KiB. bwd 64x64/4w/3st: dQ spilled 1164 B
+    # (per_head_mask+relative_bias); 32x64/8w/2st: dQ 223 / dK/dV 154 regs, 0 spills.
+    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
+    # fwd 128x64/8w/3st: 221 regs, 0 spills, 193 KiB (torch's 128x128 needs 241 KiB: a table
+    # gather stages its tile in shared memory). bwd 64x64/8w/3st: dQ spilled 756 B, dK/dV
+    # 968 B (document+t5); 32x64/8w/2st: 226 / 164 regs, 0 spills.
+    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
+    # fwd 64x32/4w/3st: 254 regs, 0 spills, 144 KiB. bwd 32x64/8w/2st: 255 / 242 regs, 0
+    # spills, 108 KiB (32x32/8w: 172 / 162 regs).
+    (2, 256): (64, 32, 4, 3, 32, 64, 8, 2),
+    # fwd 128x32/4w/3st spilled 6.5 KB, 8w 1.5 KB, 64x64/8w 1048 B (neg_inf_score);
+    # 64x32/8w/3st: 218 regs, 24 B spilled, 73 KiB. bwd 32x32/8w/2st: 158 / 200 regs, 0 spills.
+    (4, 64): (64, 32, 8, 3, 32, 32, 8, 2),
+    # fwd 32x64/8w/3st spilled 1268 B, 4w 13.6 KB; 32x64/8w/2st: 94 regs, 0 spills, 96 KiB.
+    # bwd 32x32/8w/2st: dK/dV spilled 1208 B, 16x32/8w/2st 1012 B (the edge); 32x16/8w/1st:
+    # 91 / 80 regs, 64 / 48 B spilled.
+    (4, 128): (32, 64, 8, 2, 32, 16, 8, 1),
+    # fwd 32x32/4w/3st spilled 13.6 KB, 64x32/8w 15.7 KB; 32x32/8w/3st: 181 regs, 0 spills,
+    # 172 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB, 16x32/8w 8 KB; 32x16/8w/1st: 127 /
+    # 110 regs, 0 spills.
+    (4, 256): (32, 32, 8, 3, 32, 16, 8, 1),
 }
 _SM80 = {
-    (2, 64): (128, 64, 4, 2, 64, 64, 4, 2),
-    (2, 128): (128, 64, 8, 2, 64, 64, 4, 2),
-    (2, 256): (32, 64, 4, 2, 32, 32, 4, 2),
-    (4, 64): (128, 32, 4, 2, 16, 16, 4, 1),
-    (4, 128): (64, 32, 4, 2, 16, 16, 4, 1),
-    (4, 256): (32, 16, 4, 2, 16, 16, 4, 1),
+    # fwd 128x64/4w/2st spilled 24 B (document+t5); 8w: 195 regs, 0 spills, 64 KiB. bwd
+    # 64x64/8w: dQ spilled 380 B (per_head_mask+relative_bias), 32x64/8w dK/dV 64 B,
+    # 32x64/4w 8 B; 64x32/8w/2st: 255 / 153 regs, 0 spills.
+    (2, 64): (128, 64, 8, 2, 64, 32, 8, 2),
+    # fwd 128x64/8w/2st: 245 regs, 0 spills, 96 KiB. bwd 64x64/4w: dK/dV spilled 12 B
+    # (full, MHA); 32x64/8w/2st: 246 / 165 regs, 0 spills.
+    (2, 128): (128, 64, 8, 2, 32, 64, 8, 2),
+    # fwd 32x64/4w/2st: 254 regs, 0 spills, 92 KiB. bwd 32x64/8w/2st: 255 / 246 regs, 0
+    # spills, 108 KiB.
+    (2, 256): (32, 64, 4, 2, 32, 64, 8, 2),
+    # fwd 128x32/4w/2st spilled 4.8 KB; 64x32/8w/2st: 124 regs, 36 B spilled, 48 KiB. bwd
+    # 32x32/8w/2st: 128 / 209 regs, 0 spills.
+    (4, 64): (64, 32, 8, 2, 32, 32, 8, 2),
+    # fwd 64x32/8w/2st: 128 regs, 0 spills, 80 KiB. bwd 32x32/8w/2st: dK/dV spilled 1192 B;
+    # 32x16/8w/1st: 110 / 66 regs, dK/dV 12 B spilled.
+    (4, 128): (64, 32, 8, 2, 32, 16, 8, 1),
+    # fwd 64x32/8w/2st spilled 2.5 KB (per_head_mask+relative_bias); 32x32/8w/2st: 128
+    # regs, 0 spills, 104 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB; 32x16/8w/1st: 128 /
+    # 115 regs, 0 spills.
+    (4, 256): (32, 32, 8, 2, 32, 16, 8, 1),
 }
 # The (num_warps, num_stages) pairs autotune searches, besides the heuristics' own.
 _AUTOTUNE = ((4, 2), (4, 3), (8, 2), (8, 3))
