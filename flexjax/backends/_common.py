@@ -83,3 +83,29 @@ def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
     coarse = jnp.where((cells == FULL).all((3, 5)), FULL,
                        jnp.where((cells != EMPTY).any((3, 5)), PARTIAL, EMPTY)).astype(jnp.int8)
     return lists_from_states(coarse)
+
+
+# Rows whose max score is at least this large in magnitude are recomputed in the kernels'
+# backward from their max and sum rather than from lse: in float32, lse = max + log(sum)
+# keeps log(sum) only to ulp(max) (at 2**12, 2.4e-4 relative in P; at 1e30, not at all).
+HUGE_ROW = 2.0**12
+
+
+def backward_rows(out, lse, dout, dlse, residuals):
+    """Per-row inputs of kernels that recompute P from lse: (lse, delta, dO), float32.
+
+    ``residuals`` is each row's (max, sum), (B, Hq, Sq). delta = rowsum(dO * O) - dlse (a
+    cotangent on lse adds P * dlse to dS). lse -inf (no allowed key) becomes 0, so exp(s -
+    lse) cannot overflow before the mask zeroes it. Rows with a huge max (``HUGE_ROW``) get
+    their max in lse's place, which gives P * sum, and dO and delta divided by the sum: dV =
+    P^T dO and dS = P (dP - delta) come out exact.
+    """
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    row_max, row_sum = residuals
+    huge = (jnp.abs(row_max) >= HUGE_ROW) & (row_sum > 0)
+    inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
+    lse_safe = jnp.where(huge, row_max, lse_safe)
+    dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
+    return lse_safe, delta * inv_sum, dout

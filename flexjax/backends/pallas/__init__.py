@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import lse_of
+from .._common import backward_rows, lse_of
 from . import _gpu, _tpu
 from ._layout import geometry, pad_axis, prologues, score_const_grads
 from ._tile import Mods
@@ -232,12 +232,6 @@ def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
 
-# Rows whose max score is at least this large in magnitude are recomputed in the backward
-# from their max and sum rather than from lse: in float32, lse = max + log(sum) keeps
-# log(sum) only to ulp(max) (at 2**12, 2.4e-4 relative in P; at 1e30, not at all).
-_HUGE_ROW = 2.0**12
-
-
 def forward(spec, q, k, v, score_consts, mask_consts, lists):
     out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
     return out, lse
@@ -261,7 +255,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """dq, dk, dv and the score_mod's captured-array gradients.
 
     ``residuals``: the (row max, row sum) of ``forward_with_residuals``. Rows with a huge
-    max (see ``_HUGE_ROW``) run the kernels with their max in lse's place, which
+    max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which
     gives P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS =
     P (dP - delta) come out exact.
     """
@@ -271,18 +265,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     B, Sq, Hq, D = q.shape
     Dv = v.shape[-1]
-    # delta = rowsum(dO * O); a cotangent on lse adds P * dlse to dS, i.e. delta - dlse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
-    # Rows with no allowed key (lse -inf) and padded rows only meet masked pairs; a finite
-    # lse keeps exp(s - lse) from overflowing there before the mask zeroes it.
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    row_max, row_sum = residuals
-    huge = (jnp.abs(row_max) >= _HUGE_ROW) & (row_sum > 0)
-    inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
-    lse_safe = jnp.where(huge, row_max, lse_safe)
-    delta = delta * inv_sum
-    dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
+    lse_safe, delta, dout = backward_rows(out, lse, dout, dlse, residuals)
     delta = pad_axis(delta, 2, g.sq)[..., None]
     lse_safe = pad_axis(lse_safe, 2, g.sq)[..., None]
     dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
