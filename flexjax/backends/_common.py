@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
 
@@ -109,3 +110,28 @@ def backward_rows(out, lse, dout, dlse, residuals):
     lse_safe = jnp.where(huge, row_max, lse_safe)
     dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
     return lse_safe, delta * inv_sum, dout
+
+
+# kernel_options of the kernel backends (pallas, triton): tiles and Triton launch parameters.
+TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
+LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
+
+
+def check_tiles_and_launch(opts: dict, block_size) -> None:
+    """Tiles and launch parameters are positive ints; a tile divides the BlockMask's block or is a multiple of it.
+
+    Raises:
+      ValueError: naming the key.
+    """
+    for f in TILE_FIELDS + LAUNCH_FIELDS:
+        val = opts.get(f)
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
+            raise ValueError(f"kernel_options[{f!r}] must be a positive int, got {val!r}")
+        if f in TILE_FIELDS:
+            base = block_size[0] if f.endswith("block_q") else block_size[1]
+            if val % base and base % val:
+                raise ValueError(
+                    f"kernel_options[{f!r}]={val} must divide the BlockMask's block ({base}) or be a "
+                    f"multiple of it")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import backward_rows, lse_of
+from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, lse_of
 from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
 from ..pallas._tile import Mods
 from . import _codegen, _kernels, _launch, _templates
@@ -65,8 +65,7 @@ class KernelOptions:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
-_LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
+_TILE_FIELDS, _LAUNCH_FIELDS = TILE_FIELDS, LAUNCH_FIELDS
 
 # Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
 # stages, bwd block_q, bwd block_kv, warps, stages), each chosen from the compile suite
@@ -190,19 +189,11 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
 
 
 def _check_options(opts: dict, block_size):
-    for f in _TILE_FIELDS + _LAUNCH_FIELDS:
+    check_tiles_and_launch(opts, block_size)
+    for f in _TILE_FIELDS:
         val = opts.get(f)
-        if val is None:
-            continue
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
-            raise ValueError(f"kernel_options[{f!r}] must be a positive int, got {val!r}")
-        if f in _TILE_FIELDS:
-            base = block_size[0] if f.endswith("block_q") else block_size[1]
-            if val % base and base % val:
-                raise ValueError(f"kernel_options[{f!r}]={val} must divide the BlockMask's block ({base}) or be a "
-                                 f"multiple of it")
-            if val < 16 or val & (val - 1):
-                raise ValueError(f"kernel_options[{f!r}] must be a power of two >= 16 (a Triton tile), got {val}")
+        if val is not None and (val < 16 or val & (val - 1)):
+            raise ValueError(f"kernel_options[{f!r}] must be a power of two >= 16 (a Triton tile), got {val}")
     target = opts.get("target")
     if target is not None and target not in _TARGETS:
         raise ValueError(f"kernel_options['target'] must be one of {_TARGETS} or None, got {target!r}")
