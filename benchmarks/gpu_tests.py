@@ -30,8 +30,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 sys.path.insert(0, _ROOT)
 
-from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads  # noqa: E402
-from checks import assert_close  # noqa: E402
+from catalog import CATALOG, SHAPES, check_case  # noqa: E402
 
 
 def check(name: str, backend: str, kernel_options: dict) -> None:
@@ -41,13 +40,7 @@ def check(name: str, backend: str, kernel_options: dict) -> None:
       AssertionError: an output or gradient is off by more than the same-dtype
         reference's own error allows (tests/checks.py).
     """
-    case, shape = BY_NAME[name], SHAPES["gqa_unequal"]
-    bm, params, attention = build(case, shape, 64)
-    q, k, v, do = inputs(shape, jnp.bfloat16)
-    got = loss_and_grads(attention, q, k, v, do, params, backend=backend, kernel_options=kernel_options)
-    truth = loss_and_grads(attention, *(x.astype(jnp.float32) for x in (q, k, v, do)), params, backend="reference")
-    ref = loss_and_grads(attention, q, k, v, do, params, backend="reference")
-    assert_close(f"{name}/{backend}/bfloat16", got, truth, ref, jnp.bfloat16)
+    check_case(backend, name, SHAPES["gqa_unequal"], jnp.bfloat16, kernel_options, 64)
 
 
 def _shard(names, spec: str):

@@ -145,3 +145,30 @@ def rotating_shapes():
     """(case name, shape name) pairs: every case once, the shapes taken in turn (the default grid)."""
     names = list(SHAPES)
     return [(c.name, names[n % len(names)]) for n, c in enumerate(CATALOG)]
+
+
+def run_case(backend, name, shape, dtype=jnp.float32, kernel_options=None, block_size=64):
+    """(out, lse, grads) of catalog entry ``name`` on ``backend`` (``loss_and_grads``)."""
+    _, params, attention = build(BY_NAME[name], shape, block_size)
+    q, k, v, do = inputs(shape, dtype)
+    kw = {"backend": backend, **({"kernel_options": kernel_options} if kernel_options else {})}
+    return loss_and_grads(attention, q, k, v, do, params, **kw)
+
+
+def check_case(backend, name, shape, dtype=jnp.float32, kernel_options=None, block_size=64):
+    """``backend`` on catalog entry ``name`` against the reference: out, lse and every gradient.
+
+    Float32 compares with the float32 reference. Other dtypes compare with the float32
+    reference on the same rounded inputs (the truth), allowing the error the same-dtype
+    reference makes (tests/checks.py). Returns the backend's (out, lse, grads).
+    """
+    from checks import assert_close
+
+    _, params, attention = build(BY_NAME[name], shape, block_size)
+    q, k, v, do = inputs(shape, dtype)
+    got = run_case(backend, name, shape, dtype, kernel_options, block_size)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    truth = loss_and_grads(attention, *f32, params, backend="reference")
+    ref = truth if dtype == jnp.float32 else loss_and_grads(attention, q, k, v, do, params, backend="reference")
+    assert_close(f"{name}/{jnp.dtype(dtype).name}", got, truth, ref, dtype)
+    return got

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from catalog import BY_NAME, CATALOG, SHAPES, build, inputs, loss_and_grads
-from checks import assert_close
+from catalog import CATALOG, SHAPES, check_case, inputs, run_case
 
 import flexjax
 
@@ -23,30 +22,8 @@ FAST = ("causal+soft_cap", "sliding_window+alibi", "prefix_lm+relative_bias", "d
         "per_head_mask+relative_bias")
 
 
-def _run(case, shape, dtype, backend, kernel_options=None, block_size=64):
-    bm, params, attention = build(case, shape, block_size)
-    q, k, v, do = inputs(shape, dtype)
-    kw = {"backend": backend}
-    if kernel_options:
-        kw["kernel_options"] = kernel_options
-    return loss_and_grads(attention, q, k, v, do, params, **kw)
-
-
 def _check(name, shape="gqa_unequal", dtype=jnp.float32, kernel_options=None, block_size=64):
-    case, shape = BY_NAME[name], SHAPES[shape]
-    got = _run(case, shape, dtype, "pallas", kernel_options, block_size)
-    if dtype == jnp.float32:
-        truth = ref = _run(case, shape, jnp.float32, "reference", block_size=block_size)
-    else:
-        # Truth: the float32 reference on the same rounded inputs; the same-dtype reference
-        # sets how much rounding error is expected.
-        bm, params, attention = build(case, shape, block_size)
-        q, k, v, do = inputs(shape, dtype)
-        truth = loss_and_grads(attention, *(x.astype(jnp.float32) for x in (q, k, v, do)), params,
-                               backend="reference")
-        ref = _run(case, shape, dtype, "reference", block_size=block_size)
-    assert_close(f"{name}/{jnp.dtype(dtype).name}", got, truth, ref, dtype)
-    return got
+    return check_case("pallas", name, SHAPES[shape], dtype, kernel_options, block_size)
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -100,9 +77,8 @@ def test_tile_options(options):
 
 
 def test_deterministic():
-    case = BY_NAME["prefix_lm+relative_bias"]
-    a = _run(case, SHAPES["gqa_unequal"], jnp.float32, "pallas")
-    b = _run(case, SHAPES["gqa_unequal"], jnp.float32, "pallas")
+    a = run_case("pallas", "prefix_lm+relative_bias", SHAPES["gqa_unequal"])
+    b = run_case("pallas", "prefix_lm+relative_bias", SHAPES["gqa_unequal"])
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
