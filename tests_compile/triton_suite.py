@@ -37,13 +37,11 @@ ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_ENAB
        "TF_CPP_MIN_LOG_LEVEL": "2"}
 os.environ.update(ENV)
 
-DTYPES = ("bfloat16", "float16", "float32")
-HEAD_DIMS = (64, 128, 256)
-HEADS = {"mha": (1, 1024, 2, 2), "gqa": (1, 1024, 4, 2)}
+sys.path.insert(0, HERE)
+# The grid and the spill budget are the pallas suite's.
+from compile_suite import BLOCK_SIZE, DTYPES, HEAD_DIMS, HEADS, SPILL_BUDGET  # noqa: E402
+
 ARCHS = (90, 80)
-BLOCK_SIZE = 128
-# Per-thread spill bytes (stores + loads) a kernel may use, as in compile_suite.py.
-SPILL_BUDGET = {"bfloat16": 0, "float16": 0, "float32": 1024}
 # Shared memory a block may opt into: H100 (sm_90) 227 KiB, A100 (sm_80) 163 KiB.
 SMEM_LIMIT = {90: 232448, 80: 166912}
 
