@@ -2,7 +2,10 @@
 
 from . import masks as masks
 from . import mods as mods
+from . import paged as paged
 from . import sharding as sharding
+from ._api import AuxOutput as AuxOutput
+from ._api import AuxRequest as AuxRequest
 from ._api import flex_attention as flex_attention
 from ._block_mask import BlockMask as BlockMask
 from ._block_mask import and_masks as and_masks
@@ -10,18 +13,23 @@ from ._block_mask import create_block_mask as create_block_mask
 from ._block_mask import create_mask as create_mask
 from ._block_mask import noop_mask as noop_mask
 from ._block_mask import or_masks as or_masks
+from ._dropout import dropout_mask as dropout_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
     "BlockMask",
     "and_masks",
     "create_block_mask",
     "create_mask",
+    "dropout_mask",
     "flex_attention",
     "masks",
     "mods",
     "noop_mask",
     "or_masks",
+    "paged",
     "sharding",
 ]

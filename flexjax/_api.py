@@ -7,15 +7,18 @@ import functools
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _dropout
 from ._block_mask import BlockMask, check_broadcast, full_block_mask
+from ._linear import linear_apply
 from ._trace import StaticMod, trace_mod
 from .backends import available_backends, get_backend, kernel_option_names, platform_backends
+from .backends import xla as xla_backend
 from .backends._common import acc_dtype
 
 
@@ -33,6 +36,9 @@ class AttentionSpec:
       kv_band: the BlockMask's kv_band (the widest kv range of any q block, None when
         unknown); backends may pick tiles from it (a band of width 256 wants other tiles
         than causal attention).
+      dropout_rate: probability of dropping each attention probability (0.0: no dropout;
+        backends then run exactly their no-dropout code). The keep mask comes from
+        ``flexjax._dropout`` and the seed operand.
     """
 
     score: StaticMod | None
@@ -43,6 +49,7 @@ class AttentionSpec:
     block_size: tuple[int, int]
     kernel_options: tuple = ()
     kv_band: int | None = None
+    dropout_rate: float = 0.0
 
     @property
     def options(self) -> dict:
@@ -161,15 +168,72 @@ def register_sharded_dispatch(dispatch: Callable[..., Any]) -> None:
     _sharded_dispatch = dispatch
 
 
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns.
+
+    Attributes:
+      lse: the log-sum-exp of each row, float32 (B, Hq, Sq) (with ``sinks``, of keys and sinks).
+      max_scores: each row's maximum of the modified, unmasked scores, float32 (B, Hq,
+        Sq), ``-inf`` on rows with no allowed key (for monitoring or clipping logits, as
+        QK-clip does). Not differentiated (its tangent and cotangent are zero).
+    """
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """The auxiliary outputs requested by an ``AuxRequest``; None where not requested."""
+
+    lse: jax.Array | None = None
+    max_scores: jax.Array | None = None
+
+
+def _check_sinks(sinks, Hq):
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise TypeError(f"sinks must be a float array of shape ({Hq},) or ({Hq}, n_sinks), got {type(sinks).__name__}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a float array, got dtype {sinks.dtype}")
+    if sinks.ndim not in (1, 2) or sinks.shape[0] != Hq or (sinks.ndim == 2 and sinks.shape[1] == 0):
+        raise ValueError(f"sinks must have shape ({Hq},) or ({Hq}, n_sinks) (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
+def _with_sinks(out, lse, sinks):
+    """Output and lse with ``sinks`` joining every row's softmax normalizer (they add no value).
+
+    The kernels normalize by the keys alone (lse_keys); with the sinks the normalizer is
+    lse = logaddexp(lse_keys, logsumexp(sinks)), so the output is the kernels' times
+    exp(lse_keys - lse). Exact, O(B * S * H * D), and differentiated by JAX through the
+    kernels' (out, lse) gradient. A row with no allowed key keeps output 0 and gets lse =
+    logsumexp(sinks).
+    """
+    dt = lse.dtype
+    s = sinks.astype(dt).reshape(sinks.shape[0], -1)
+    sink_lse = jax.nn.logsumexp(s, axis=-1)[None, :, None]
+    total = jnp.logaddexp(lse, sink_lse)
+    factor = jnp.exp(lse - total)  # 0 where lse is -inf
+    out = (out.astype(dt) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
+    return out, total
+
+
 def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                    score_mod: Callable | None = None, block_mask: BlockMask | None = None, *,
-                   scale: float | None = None, return_lse: bool = False,
+                   scale: float | None = None, return_lse: bool = False, return_aux: AuxRequest | None = None,
+                   sinks: jax.Array | None = None, dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
                    backend: str | None = None, kernel_options: dict | None = None) -> Any:
     """Attention with a user score_mod and a block-sparse mask, differentiable.
 
     Semantics are PyTorch FlexAttention's: ``s = q·k * scale``, ``s = score_mod(s, b, h,
     q_idx, kv_idx)``, masked pairs excluded, softmax over keys, times V. A row with no
     allowed key gives output 0 and lse ``-inf``.
+
+    ``jax.grad`` runs the backends' hand-written backward; ``jax.jvp`` / ``jax.linearize``
+    run a blockwise tangent pass (the same tiles), with respect to q, k, v, the arrays the
+    score_mod closes over, and ``sinks``.
 
     Inside ``flexjax.sharding.attention_specs`` the call is split over the mesh as the
     specs say (context parallelism). Elsewhere, q/k/v sharded over Explicit mesh axes
@@ -185,26 +249,52 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       scale: factor on q·k; default ``1/sqrt(head_dim)``.
       return_lse: also return the log-sum-exp, float32 (float64 for float64 inputs),
         (batch, q_heads, q_len).
-      backend: "xla", "reference" (dense, for tests), "pallas"; None picks for the platform.
+      return_aux: an ``AuxRequest``: return ``(out, AuxOutput(lse=..., max_scores=...))``
+        instead (not together with ``return_lse``).
+      sinks: learnable attention sinks (gpt-oss), float (q_heads,) or (q_heads, n_sinks):
+        logits that join every row's softmax denominator and contribute no value:
+        ``out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + sum_k exp(sinks[h, k]))``. The
+        returned lse is that normalizer's log; ``jax.grad`` reaches ``sinks``.
+      dropout_rate: dropout on the attention probabilities, in [0, 1). The keep mask is a
+        counter-based hash of (dropout_rng, b, h, q_idx, kv_idx), regenerated tile by tile
+        in the backward (``flexjax.dropout_mask`` gives it densely); kept probabilities are
+        scaled by ``1 / (1 - dropout_rate)``; lse is of the undropped probabilities.
+        0.0 runs exactly the no-dropout kernels.
+      dropout_rng: a JAX PRNG key (``jax.random.key``), needed when ``dropout_rate > 0``.
+      backend: "xla", "reference" (dense, for tests), "pallas", "triton"; None picks for
+        the platform.
       kernel_options: backend options (tile sizes etc.; see each backend's KernelOptions).
 
     Returns:
-      Output (batch, q_len, q_heads, v_head_dim) in the query's dtype, or ``(out, lse)``.
+      Output (batch, q_len, q_heads, v_head_dim) in the query's dtype, or ``(out, lse)``,
+      or ``(out, AuxOutput)``.
     """
     _check_qkv(query, key, value)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_aux is not None:
+        if not isinstance(return_aux, AuxRequest):
+            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
+        if return_lse:
+            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+    rate = _dropout.check_rate(dropout_rate)
+    seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
+    B, Sq, Hq, D = query.shape
+    sinks = _check_sinks(sinks, Hq)
+    want_max = return_aux is not None and return_aux.max_scores
+    want_lse = return_lse or sinks is not None or (return_aux is not None and return_aux.lse)
     if _sharded_dispatch is not None:
         sharded = _sharded_dispatch(query, key, value, score_mod, block_mask, scale=scale,
-                                    return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+                                    return_lse=want_lse, backend=backend, kernel_options=kernel_options,
+                                    dropout=rate > 0, max_scores=want_max)
         if sharded is not NotImplemented:
-            return sharded
-    B, Sq, Hq, D = query.shape
+            out, lse = sharded if want_lse else (sharded, None)
+            return _results(out, lse, None, sinks, return_lse, return_aux)
     Skv = key.shape[1]
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if block_mask is None:
         block_mask = full_block_mask(1, 1, Sq, Skv)
     _check_block_mask(block_mask, query.shape, Skv)
@@ -216,11 +306,20 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
                          kv_len=Skv, block_size=block_mask.block_size,
                          kernel_options=_options_tuple(kernel_options, backend),
-                         kv_band=block_mask.kv_band)
+                         kv_band=block_mask.kv_band, dropout_rate=rate)
     impl = _choose_backend(backend, spec, query, key, value)
     lists = block_mask.tree_flatten()[0][:8]
-    out, lse = _attention(impl.NAME, spec, query, key, value, tuple(score_consts),
-                          tuple(block_mask.mask_consts), tuple(lists))
+    out, lse, max_scores = _attention_jit(impl.NAME, spec, query, key, value, tuple(score_consts),
+                                          tuple(block_mask.mask_consts), tuple(lists), seed)
+    return _results(out, lse, max_scores, sinks, return_lse, return_aux)
+
+
+def _results(out, lse, max_scores, sinks, return_lse, return_aux):
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None,
+                              max_scores=max_scores if return_aux.max_scores else None)
     return (out, lse) if return_lse else out
 
 
@@ -235,6 +334,8 @@ def _choose_backend(backend, spec, query, key, value):
     for name in names:
         candidate = get_backend(name)
         reason = candidate.unsupported_reason(spec, query, key, value)
+        if reason is None and spec.dropout_rate > 0 and not getattr(candidate, "SUPPORTS_DROPOUT", False):
+            reason = f"the {name} backend has no fused dropout yet; pass backend='xla' for dropout_rate > 0"
         if reason is None:
             for skipped_name, skipped_reason in skipped:
                 warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "
@@ -246,53 +347,83 @@ def _choose_backend(backend, spec, query, key, value):
     raise NotImplementedError("no backend can serve this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists):
-    out, lse = get_backend(backend_name).forward(spec, q, k, v, score_consts, mask_consts, lists)
-    return out, lse
+# -- autodiff ------------------------------------------------------------------------------
+# One custom_jvp serves both modes. Its tangent goes through ``linear_apply``: a linear map
+# whose transpose is the backend's hand-written backward. ``jax.jvp`` evaluates the map (a
+# blockwise tangent pass, the xla backend's ``tangent``); ``jax.grad`` linearizes and
+# transposes it, so only the backward runs, on the residuals the forward saved.
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists, seed):
+    impl = get_backend(backend_name)
+    out, lse, residuals = impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists,
+                                                      dropout_seed=seed)
+    row_max, _ = impl.row_stats(lse, residuals)
+    return out, lse, row_max
 
 
-def _attention_fwd(backend_name, spec, q, k, v, score_consts, mask_consts, lists):
-    # symbolic_zeros=True: each argument arrives as CustomVJPPrimal(value, perturbed).
-    # Which captured arrays are differentiated is known now, statically; () / None in the
-    # residuals carry it to the backward, which then skips the others' gradients (for a
-    # bias table, a scatter per tile).
-    wants = tuple(() if p.perturbed else None for p in score_consts)
-    q, k, v, score_consts, mask_consts, lists = jax.tree.map(
-        lambda p: p.value, (q, k, v, score_consts, mask_consts, lists), is_leaf=_is_primal)
-    # Each backend saves what its backward needs beside lse (the kernels keep each row's max
-    # apart from its sum: lse alone loses log(sum) on rows with scores near finfo.min).
-    out, lse, residuals = get_backend(backend_name).forward_with_residuals(
-        spec, q, k, v, score_consts, mask_consts, lists)
-    return (out, lse), (q, k, v, out, lse, score_consts, mask_consts, lists, wants, residuals)
+def _attention_jvp(backend_name, spec, primals, tangents):
+    q, k, v, score_consts, mask_consts, lists, seed = primals
+    t_q, t_k, t_v, t_consts = tangents[:4]
+    impl = get_backend(backend_name)
+    out, lse, residuals = impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists,
+                                                      dropout_seed=seed)
+    row_max, log_sum = impl.row_stats(lse, residuals)
+    # Only perturbed inputs are linear arguments (symbolic zeros elsewhere): the backward
+    # then skips the gradients nobody asked for (for a bias table, a scatter per tile).
+    float_const = tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in score_consts)
+    live = lambda t: not isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
+    has_qkv = tuple(live(t) for t in (t_q, t_k, t_v))
+    has_c = tuple(live(t) and f for t, f in zip(t_consts, float_const))
+    lin = tuple(t for t, h in zip((t_q, t_k, t_v), has_qkv) if h) + tuple(
+        t for t, h in zip(t_consts, has_c) if h)
+    zeros = (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype), jnp.zeros_like(row_max))
+    if not lin:
+        return (out, lse, row_max), zeros
+    res = (q, k, v, out, lse, row_max, log_sum, score_consts, mask_consts, lists, seed, residuals)
+    res_flat, res_tree = jax.tree.flatten(res)
+
+    def unflatten(flat):
+        return jax.tree.unflatten(res_tree, flat)
+
+    def split(lin_args):
+        it = iter(lin_args)
+        tq, tk, tv = (next(it) if h else None for h in has_qkv)
+        tc = tuple(next(it) if h else None for h in has_c)
+        return tq, tk, tv, tc
+
+    def tangent_map(*args):
+        r = unflatten(args[:len(res_flat)])
+        q_, k_, v_, out_, lse_, rmax, lsum, sc, mc, ls, sd, _ = r
+        tq, tk, tv, tc = split(args[len(res_flat):])
+        t_out, t_lse = xla_backend.tangent(spec, q_, k_, v_, out_, rmax, lsum, sc, mc, ls, tq, tk, tv, tc,
+                                           dropout_seed=sd)
+        return t_out.astype(out_.dtype), t_lse.astype(lse_.dtype)
+
+    def transpose_map(*args):
+        r = unflatten(args[:len(res_flat)])
+        q_, k_, v_, out_, lse_, _, _, sc, mc, ls, sd, resid = r
+        dout, dlse = args[len(res_flat):]
+        dq, dk, dv, dscore = impl.backward(spec, q_, k_, v_, out_, lse_, dout, dlse, sc, mc, ls, has_c, resid,
+                                           dropout_seed=sd)
+        cts = tuple(g.astype(x.dtype) for g, x, h in zip((dq, dk, dv), (q_, k_, v_), has_qkv) if h)
+        return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)
+
+    out_avals = (jax.core.ShapedArray(out.shape, out.dtype), jax.core.ShapedArray(lse.shape, lse.dtype))
+    t_out, t_lse = linear_apply(tangent_map, transpose_map, tuple(res_flat), lin, out_avals)
+    return (out, lse, row_max), (t_out, t_lse, zeros[2])
 
 
-def _is_primal(x) -> bool:
-    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+_attention.defjvp(_attention_jvp, symbolic_zeros=True)
+
+# Every call goes through jit, keyed by the backend and the (hashable) spec: an eager call
+# (or an eager jax.grad of one) then compiles the blockwise loops once as one program
+# instead of dispatching them op by op, ~5-7x faster on a first call; inside an outer jit
+# it is one nested call.
+_attention_jit = jax.jit(_attention, static_argnums=(0, 1))
 
 
 def _zero_cotangent(x):
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
-
-
-def _instantiate(ct, like):
-    if isinstance(ct, jax.custom_derivatives.SymbolicZero):
-        return jnp.zeros(like.shape, like.dtype)
-    return ct
-
-
-def _attention_bwd(backend_name, spec, res, cts):
-    q, k, v, out, lse, score_consts, mask_consts, lists, wants, residuals = res
-    dout, dlse = _instantiate(cts[0], out), _instantiate(cts[1], lse)
-    grad_consts = tuple(w is not None and jnp.issubdtype(c.dtype, jnp.inexact)
-                        for w, c in zip(wants, score_consts))
-    dq, dk, dv, dscore = get_backend(backend_name).backward(
-        spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals)
-    dscore = tuple(d if want else _zero_cotangent(c) for c, d, want in zip(score_consts, dscore, grad_consts))
-    return (dq, dk, dv, dscore, tuple(_zero_cotangent(c) for c in mask_consts),
-            tuple(_zero_cotangent(x) for x in lists))
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -1,4 +1,4 @@
-"""BlockMask: the tile-level sparsity of a mask_mod, built chunk by chunk, as a pytree."""
+"""BlockMask: the tile-level sparsity of a mask_mod, classified by analysis, as a pytree."""
 
 from __future__ import annotations
 
@@ -77,26 +77,75 @@ def _check_block_size(block_size) -> tuple[int, int]:
     return int(bs[0]), int(bs[1])
 
 
-def lists_from_states(states: jax.Array) -> tuple[jax.Array, ...]:
+def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
     """Sparse tile lists from a (B, H, nQ, nKV) array of EMPTY/PARTIAL/FULL.
 
     Returns ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
     q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)``. Indices of each row are
     ascending; entries past the row's count are other (valid) block indices.
-    """
 
-    def rows(member):
+    The lists are as wide as they need to be: ``kv_indices`` and ``full_kv_indices`` hold
+    the most partial + full tiles of any q block (at least 1), the transposed lists the
+    same per kv block, when ``states`` is concrete. Traced states give lists of width
+    nKV (nQ), or ``width`` when it is given (an int for both directions, or a pair
+    (kv lists, q lists)); concrete states then check that it suffices.
+    """
+    kv_w, q_w = width if isinstance(width, tuple) else (width, width)
+    if not isinstance(states, jax.core.Tracer):
+        return _np_lists(np.asarray(states), kv_w, q_w)
+
+    def rows(member, w):
         n = member.shape[-1]
         idx = jnp.arange(n, dtype=jnp.int32)
         order = jnp.argsort(jnp.where(member, idx, n + idx), axis=-1).astype(jnp.int32)
-        return member.sum(-1, dtype=jnp.int32), order
+        return member.sum(-1, dtype=jnp.int32), order[..., :min(n, w or n)]
 
     partial, full = states == PARTIAL, states == FULL
-    kv_n, kv_i = rows(partial)
-    fkv_n, fkv_i = rows(full)
-    q_n, q_i = rows(jnp.swapaxes(partial, -1, -2))
-    fq_n, fq_i = rows(jnp.swapaxes(full, -1, -2))
+    kv_n, kv_i = rows(partial, kv_w)
+    fkv_n, fkv_i = rows(full, kv_w)
+    q_n, q_i = rows(jnp.swapaxes(partial, -1, -2), q_w)
+    fq_n, fq_i = rows(jnp.swapaxes(full, -1, -2), q_w)
     return kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i
+
+
+# Rows of states sorted per step by ``_np_lists``: its int64 order stays near 64 MiB.
+_LIST_CHUNK_ELEMENTS = 1 << 23
+
+
+def _np_lists(states: np.ndarray, kv_width: int | None, q_width: int | None) -> tuple[jax.Array, ...]:
+    """``lists_from_states`` of concrete states, in NumPy, a chunk of rows at a time.
+
+    One stable sort per row of the keys (0 partial, 1 full, 3 empty) puts the partial
+    columns first, then the full ones, then the others, each ascending (NumPy sorts
+    8-bit keys by radix, in linear time).
+    """
+    lead, (nq, nkv) = states.shape[:-2], states.shape[-2:]
+    flat = states.reshape((-1, nq, nkv))
+    out = []
+    for axis_rows, n_rows, n_cols, width in ((1, nq, nkv, kv_width), (2, nkv, nq, q_width)):
+        n_p = (flat == PARTIAL).sum(3 - axis_rows, dtype=np.int32)
+        n_f = (flat == FULL).sum(3 - axis_rows, dtype=np.int32)
+        need = int((n_p + n_f).max(initial=0))
+        w = max(1, need) if width is None else min(int(width), n_cols)
+        if need > w:
+            raise ValueError(
+                f"max_blocks_per_row={width} is too small: some block row has {need} non-empty tiles; "
+                f"pass max_blocks_per_row >= {need} (or None)")
+        idx_p = np.zeros((flat.shape[0], n_rows, w), np.int32)
+        idx_f = np.zeros((flat.shape[0], n_rows, w), np.int32)
+        step = max(1, _LIST_CHUNK_ELEMENTS // n_cols)
+        cols = np.arange(w)
+        for g in range(flat.shape[0]):
+            for r0 in range(0, n_rows, step):
+                rows = flat[g, r0:r0 + step] if axis_rows == 1 else np.ascontiguousarray(flat[g, :, r0:r0 + step].T)
+                # (state - 1) & 3 maps PARTIAL, FULL, EMPTY to the sort keys 0, 1, 3.
+                order = np.argsort((rows - np.int8(1)) & np.int8(3), axis=-1, kind="stable")
+                idx_p[g, r0:r0 + step] = order[:, :w]
+                start = np.minimum(n_p[g, r0:r0 + step, None] + cols, n_cols - 1)
+                idx_f[g, r0:r0 + step] = np.take_along_axis(order, start, axis=-1)
+        for n, idx in ((n_p, idx_p), (n_f, idx_f)):
+            out += [jnp.asarray(n.reshape(lead + (n_rows,))), jnp.asarray(idx.reshape(lead + (n_rows, w)))]
+    return tuple(out)
 
 
 def _states_from_lists(num, idx, value, n_cols) -> jax.Array:
@@ -119,7 +168,8 @@ class BlockMask:
 
     Attributes (children of the pytree):
       kv_num_blocks: int32 (B, H, nQ), partial tiles per q block.
-      kv_indices: int32 (B, H, nQ, nKV), their kv block indices, ascending.
+      kv_indices: int32 (B, H, nQ, W), their kv block indices, ascending; W is the most
+        partial + full tiles of any q block when built eagerly (nKV under ``jit``).
       full_kv_num_blocks, full_kv_indices: the same for full tiles.
       q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transposed lists
         (per kv block, its q blocks) that the dK/dV pass walks.
@@ -177,8 +227,9 @@ class BlockMask:
 
     @property
     def num_blocks(self) -> tuple[int, int]:
-        """(nQ, nKV): the number of q and kv blocks."""
-        return self.kv_indices.shape[-2], self.kv_indices.shape[-1]
+        """(nQ, nKV): the number of q and kv blocks (the lists may be narrower than nKV)."""
+        (q_len, kv_len), (bq, bkv) = self.seq_lengths, self.block_size
+        return -(-q_len // bq), -(-kv_len // bkv)
 
     @property
     def mask_mod(self) -> Callable:
@@ -206,8 +257,11 @@ class BlockMask:
 
     def sparsity(self) -> float:
         """Percentage of tiles that are skipped (empty)."""
-        dense = np.asarray(self.to_dense())
-        return 100.0 * (1.0 - dense.mean())
+        nq, nkv = self.num_blocks
+        lead = np.prod(self.kv_num_blocks.shape, dtype=np.float64)
+        computed = np.asarray(self.kv_num_blocks, np.float64).sum() + np.asarray(self.full_kv_num_blocks,
+                                                                                  np.float64).sum()
+        return 100.0 * (1.0 - computed / (lead * nkv)) if nq else 0.0
 
     def to_string(self, grid_size: tuple[int, int] = (24, 48), limit: int = 4) -> str:
         """A picture of the tiles: '█' full, '░' partial, ' ' empty, per (b, h).
@@ -217,9 +271,10 @@ class BlockMask:
         """
         if self._is_traced():
             return f"{self!r}\n(the tile lists are traced inside jit: call to_string() outside jit to see them)"
-        states = np.asarray(self.block_states())
-        B, H, nq, nkv = states.shape
+        B, H = self.kv_num_blocks.shape[:2]
+        nq, nkv = self.num_blocks
         fq, fkv = math.ceil(nq / grid_size[0]), math.ceil(nkv / grid_size[1])
+        rows, cols = math.ceil(nq / fq), math.ceil(nkv / fkv)
         chars = {EMPTY: " ", PARTIAL: "░", FULL: "█"}
         lines = [repr(self)]
         if fq > 1 or fkv > 1:
@@ -230,12 +285,15 @@ class BlockMask:
                 if shown == limit:
                     lines.append(f"... ({B * H - limit} more (b, h) pairs)")
                     return "\n".join(lines)
-                s = states[b, h]
-                pad = np.zeros((math.ceil(nq / fq) * fq, math.ceil(nkv / fkv) * fkv), np.int8)
-                pad[:nq, :nkv] = s
-                cells = pad.reshape(pad.shape[0] // fq, fq, pad.shape[1] // fkv, fkv)
-                coarse = np.where((cells == FULL).all((1, 3)), FULL,
-                                  np.where((cells != EMPTY).any((1, 3)), PARTIAL, EMPTY))
+                # Counted from the lists, never as an nQ x nKV array: a cell is full when
+                # all fq x fkv of its tiles are (cells past the grid's edge count as empty).
+                counts = []
+                for n, idx in ((self.kv_num_blocks, self.kv_indices), (self.full_kv_num_blocks, self.full_kv_indices)):
+                    n, idx = np.asarray(n[b, h]), np.asarray(idx[b, h])
+                    valid = np.arange(idx.shape[-1])[None, :] < n[:, None]
+                    r = np.broadcast_to(np.arange(nq)[:, None] // fq, idx.shape)[valid]
+                    counts.append(np.bincount(r * cols + idx[valid] // fkv, minlength=rows * cols).reshape(rows, cols))
+                coarse = np.where(counts[1] == fq * fkv, FULL, np.where(counts[0] + counts[1] > 0, PARTIAL, EMPTY))
                 lines.append(f"b={b}, h={h}")
                 lines.extend("".join(chars[int(c)] * 2 for c in row) + "|" for row in coarse)
                 shown += 1
@@ -263,23 +321,52 @@ class BlockMask:
                 f"sparsity={sp}, mask_mod={name})")
 
     def __getitem__(self, index) -> BlockMask:
-        """Selects batches/heads, e.g. ``bm[0]``, ``bm[:, 2]``; keeps the 4-D layout.
+        """Selects batches/heads, e.g. ``bm[0]``, ``bm[:, 2]``, and q-block rows, ``bm[:, :, row]``.
 
-        The mask_mod is still called with the original b/h, so a slice is for
-        inspection (``to_string``, ``to_dense``), not for attention over other data.
+        Batch/head selection keeps the 4-D layout; the mask_mod is still called with the
+        original b/h, so such a slice is for inspection (``to_string``, ``to_dense``).
+
+        ``bm[:, :, row]`` (PyTorch's decode idiom) takes q-block row ``row``: an int, an
+        integer scalar or a ``(B,)`` integer array (one row per sequence), any of them
+        traced inside ``jit``, or a slice ``start:stop``. The result is a BlockMask for
+        ``Q_LEN = rows * block_q`` whose mask_mod is the original with ``q_idx`` shifted by
+        ``row * block_q``, so it is exact for those queries. A decode step whose queries sit
+        at arbitrary positions wants ``flexjax.paged.decode_block_mask(bm, positions, q_len)``:
+        the rows those positions fall in and ``q_idx`` shifted by the positions.
         """
         if not isinstance(index, tuple):
             index = (index,)
-        if len(index) > 2:
-            raise IndexError(f"BlockMask indexes batch and heads only, got {len(index)} indices")
-        index = tuple(slice(i, i + 1) if isinstance(i, (int, np.integer)) else i for i in index)
+        if len(index) > 3:
+            raise IndexError(f"BlockMask indexes batch, heads and q-block rows, got {len(index)} indices")
+        rows = index[2] if len(index) == 3 else slice(None)
+        index = tuple(slice(i, i + 1) if isinstance(i, (int, np.integer)) else i for i in index[:2])
         index = index + (slice(None),) * (2 - len(index))
 
         def take(x):
             return x[index]
 
         children, aux = self.tree_flatten()
-        return BlockMask.tree_unflatten(aux, [take(c) for c in children[:8]] + [children[8]])
+        out = BlockMask.tree_unflatten(aux, [take(c) for c in children[:8]] + [children[8]])
+        if isinstance(rows, slice) and rows == slice(None):
+            return out
+        from .paged import select_rows
+
+        bq, nq = self.block_size[0], self.num_blocks[0]
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(nq)
+            if step != 1 or stop <= start:
+                raise IndexError(f"a q-block row slice must be a non-empty start:stop, got {rows}")
+            r = jnp.arange(start, stop, dtype=jnp.int32)[None, :]
+            shift, q_len = start * bq, (stop - start) * bq
+        else:
+            r = jnp.asarray(rows)
+            if not jnp.issubdtype(r.dtype, jnp.integer) or r.ndim > 1:
+                raise IndexError(f"a q-block row index must be an int, a slice or an integer (B,) array, "
+                                 f"got {rows!r}")
+            r = r.astype(jnp.int32)
+            shift, q_len = r * bq, bq
+            r = r.reshape(-1, 1)
+        return select_rows(out, r, r, shift, min(q_len, self.seq_lengths[0]))
 
 
 def _serialize_aux(aux) -> bytes:
@@ -321,8 +408,8 @@ def _kv_band(bm: BlockMask) -> int | None:
     if any(isinstance(x, jax.core.Tracer) or not hasattr(x, "shape") for x in lists):
         return None
     kv_n, kv_i, fkv_n, fkv_i = (np.asarray(x) for x in lists)
-    nkv = kv_i.shape[-1]
-    cols = np.arange(nkv)
+    nkv = bm.num_blocks[1]
+    cols = np.arange(kv_i.shape[-1])
 
     def ends(n, idx):
         valid = cols < n[..., None]
@@ -362,30 +449,273 @@ def _build_states(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv):
     return jnp.broadcast_to(states, (B, H, nq, nkv))
 
 
-def _build_lists(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv) -> tuple[jax.Array, ...]:
-    return lists_from_states(_build_states(mask, consts, B, H, q_len, kv_len, bq, bkv))
+_build_states_jit = jax.jit(_build_states, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+
+# The analysis classifies at most this many tiles at once: a grid of more q x kv blocks is
+# classified first in super tiles (a power of 2 of blocks on a side), and only the super
+# tiles it cannot decide are split into blocks. 2**18 tiles: ~1 ms of interval arithmetic.
+_ANALYSIS_TILES = 1 << 18
+# Tiles enumerated exactly per lax.map step: 2**22 pairs keeps a step near 16 MiB.
+_ENUM_PAIRS = 1 << 22
+UNKNOWN = 3
 
 
-_build_lists_jit = jax.jit(_build_lists, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+def _ranges(idx, size, length):
+    """Inclusive valid index range [idx * size, min(idx * size + size, length) - 1]."""
+    lo = idx * size
+    return lo, jnp.minimum(lo + size, length) - 1
 
 
-def _build_jit(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv) -> BlockMask:
-    """The BlockMask of ``mask``, its tile lists computed under jit.
+def _bh(mask, b, h):
+    return (b if "b" in mask.uses else jnp.zeros_like(b)), (h if "h" in mask.uses else jnp.zeros_like(h))
 
-    It is assembled outside jit to keep this call's ``mask``: on a cache hit jit hands
-    back the first trace's static outputs, a StaticMod whose mod may close over that
-    trace's tracers (and then cannot be pickled).
+
+def _analyse(mask, consts, b, h, qi, ki, tq, tk, q_len, kv_len):
+    """Codes FULL / EMPTY / UNKNOWN of (tq, tk) tiles over their valid pairs, by interval analysis."""
+    from ._analysis import classify
+
+    q_lo, q_hi = _ranges(qi, tq, q_len)
+    kv_lo, kv_hi = _ranges(ki, tk, kv_len)
+    b, h = _bh(mask, b, h)
+    t, f = classify(mask, consts, b, h, q_lo, q_hi, kv_lo, kv_hi)
+    return jnp.where(t, FULL, jnp.where(f, EMPTY, UNKNOWN)).astype(jnp.int8)
+
+
+def _sample(mask, consts, codes, b, h, qi, ki, bq, bkv, q_len, kv_len):
+    """UNKNOWN tiles where a 3x3 grid of exact samples finds both values become PARTIAL."""
+    q_lo, q_hi = _ranges(qi, bq, q_len)
+    kv_lo, kv_hi = _ranges(ki, bkv, kv_len)
+    b, h = _bh(mask, b, h)
+    seen_t, seen_f = jnp.bool_(False), jnp.bool_(False)
+    for q in (q_lo, (q_lo + q_hi) // 2, q_hi):
+        for kv in (kv_lo, (kv_lo + kv_hi) // 2, kv_hi):
+            v = mask(consts, b, h, q, kv)
+            seen_t, seen_f = seen_t | v, seen_f | ~v
+    return jnp.where((codes == UNKNOWN) & seen_t & seen_f, PARTIAL, codes).astype(jnp.int8)
+
+
+def _enumerate(mask, consts, b, h, qi, ki, q_len, kv_len, bq, bkv):
+    """Exact codes FULL / PARTIAL / EMPTY over the valid pairs of a list of tiles (N,)."""
+    def one(t):
+        b_, h_, qi_, ki_ = t
+        q = qi_ * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+        kv = ki_ * bkv + jnp.arange(bkv, dtype=jnp.int32)[None, :]
+        valid = (q < q_len) & (kv < kv_len)
+        bb, hh = _bh(mask, b_, h_)
+        m = mask(consts, bb, hh, jnp.minimum(q, q_len - 1), jnp.minimum(kv, kv_len - 1))
+        anyv, allv = (m & valid).any(), (m | ~valid).all()
+        return jnp.where(allv, FULL, jnp.where(anyv, PARTIAL, EMPTY)).astype(jnp.int8)
+
+    chunk = max(1, _ENUM_PAIRS // (bq * bkv))
+    return jax.lax.map(one, (b, h, qi, ki), batch_size=min(chunk, b.shape[0]))
+
+
+def _padded_edges(codes, qi, ki, bq, bkv, q_len, kv_len):
+    """FULL tiles that contain padding (past Q_LEN / KV_LEN) become PARTIAL."""
+    pad = ((qi + 1) * bq > q_len) | ((ki + 1) * bkv > kv_len)
+    return jnp.where((codes == FULL) & pad, PARTIAL, codes).astype(jnp.int8)
+
+
+def _super_factor(nq, nkv) -> int:
+    f = 1
+    while -(-nq // f) * -(-nkv // f) > _ANALYSIS_TILES:
+        f *= 2
+    return f
+
+
+def _grid_codes(mask, consts, Bm, Hm, q_len, kv_len, tq, tk):
+    """Analysis codes (Bm, Hm, nQ', nKV') of the (tq, tk) tile grid."""
+    nq, nkv = -(-q_len // tq), -(-kv_len // tk)
+    b = jnp.arange(Bm, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(Hm, dtype=jnp.int32)[None, :, None, None]
+    qi = jnp.arange(nq, dtype=jnp.int32)[:, None]
+    ki = jnp.arange(nkv, dtype=jnp.int32)[None, :]
+    return jnp.broadcast_to(_analyse(mask, consts, b, h, qi, ki, tq, tk, q_len, kv_len), (Bm, Hm, nq, nkv))
+
+
+def _tile_codes(mask, consts, b, h, qi, ki, q_len, kv_len, bq, bkv):
+    """Analysis, then samples, codes of a list of block tiles (N,)."""
+    codes = _analyse(mask, consts, b, h, qi, ki, bq, bkv, q_len, kv_len)
+    return _sample(mask, consts, codes, b, h, qi, ki, bq, bkv, q_len, kv_len)
+
+
+_grid_codes_jit = jax.jit(_grid_codes, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+_tile_codes_jit = jax.jit(_tile_codes, static_argnums=(0, 6, 7, 8, 9))
+_enumerate_jit = jax.jit(_enumerate, static_argnums=(0, 6, 7, 8, 9))
+
+
+def _bucket(n: int) -> int:
+    """Padded length of a tile list: a power of 2 (few recompiles), at least 64."""
+    return max(64, 1 << (n - 1).bit_length())
+
+
+def _run_on_tiles(fn, mask, consts, coords, *rest):
+    """``fn`` on the tiles at ``coords`` (4 int arrays (N,)), padded to a bucket; codes (N,)."""
+    n = coords[0].size
+    pad = _bucket(n) - n
+    args = [jnp.asarray(np.pad(c.astype(np.int32), (0, pad), mode="edge")) for c in coords]
+    return np.array(fn(mask, consts, *args, *rest))[:n]
+
+
+def _blocks_of(top, code, f, nq, nkv):
+    """(b, h, q block, kv block) of every block inside the super tiles of ``top`` equal to ``code``."""
+    sb, sh, sq, sk = np.nonzero(top == code)
+    off_q, off_k = np.divmod(np.arange(f * f, dtype=np.int32), f)
+    qi = (sq[:, None].astype(np.int32) * f + off_q[None, :]).ravel()
+    ki = (sk[:, None].astype(np.int32) * f + off_k[None, :]).ravel()
+    bi, hi = np.repeat(sb, f * f), np.repeat(sh, f * f)
+    keep = (qi < nq) & (ki < nkv)
+    return bi[keep], hi[keep], qi[keep], ki[keep]
+
+
+def _decide(mask, consts, coords, q_len, kv_len, bq, bkv):
+    """Exact codes FULL / PARTIAL / EMPTY (valid pairs) of block tiles: analysis, samples, then pairs."""
+    codes = np.full(coords[0].shape, UNKNOWN, np.int8)
+    if coords[0].size:
+        codes = _run_on_tiles(_tile_codes_jit, mask, consts, coords, q_len, kv_len, bq, bkv)
+    left = np.nonzero(codes == UNKNOWN)[0]
+    if left.size:
+        sub = tuple(c[left] for c in coords)
+        codes[left] = _run_on_tiles(_enumerate_jit, mask, consts, sub, q_len, kv_len, bq, bkv)
+    return codes
+
+
+def _analysed_lists_eager(mask: StaticMod, consts, Bm, Hm, q_len, kv_len, bq, bkv, width):
+    """The tile lists by analysis, samples, and exact evaluation of the rest, or None.
+
+    None when the analysis runs under a trace (the captured arrays or the whole build
+    are traced): ``_analysed_states_traced`` is then used. Large grids are classified in
+    super tiles first; when few tiles are non-empty the lists are assembled from the
+    non-empty tiles alone, never from an nQ x nKV array.
     """
-    lists = _build_lists_jit(mask, consts, B, H, q_len, kv_len, bq, bkv)
+    nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
+    f = _super_factor(nq, nkv)
+    top = _grid_codes_jit(mask, consts, Bm, Hm, q_len, kv_len, bq * f, bkv * f)
+    if isinstance(top, jax.core.Tracer):
+        return None
+    top = np.asarray(top)
+    pad_q = (np.arange(nq) + 1) * bq > q_len
+    pad_k = (np.arange(nkv) + 1) * bkv > kv_len
+    unknown = _blocks_of(top, UNKNOWN, f, nq, nkv)
+    sparse = f > 1 and ((top != EMPTY).sum() * f * f * 4 < Bm * Hm * nq * nkv)
+    if not sparse:
+        codes = np.repeat(np.repeat(top, f, axis=2), f, axis=3)[:, :, :nq, :nkv] if f > 1 else top.copy()
+        codes[unknown] = _decide(mask, consts, unknown, q_len, kv_len, bq, bkv)
+        codes[(codes == FULL) & (pad_q[:, None] | pad_k[None, :])] = PARTIAL
+        return lists_from_states(codes, width)
+    full = _blocks_of(top, FULL, f, nq, nkv)
+    ucodes = _decide(mask, consts, unknown, q_len, kv_len, bq, bkv)
+    keep = ucodes != EMPTY
+    coords = tuple(np.concatenate([a, u[keep]]) for a, u in zip(full, unknown))
+    codes = np.concatenate([np.full(full[0].shape, FULL, np.int8), ucodes[keep]])
+    codes[(codes == FULL) & (pad_q[coords[2]] | pad_k[coords[3]])] = PARTIAL
+    return _coo_lists(coords, codes, Bm, Hm, nq, nkv, width)
+
+
+def _coo_lists(coords, codes, Bm, Hm, nq, nkv, width):
+    """``lists_from_states`` from the non-empty tiles alone: (b, h, q block, kv block) and codes."""
+    g = coords[0].astype(np.int64) * Hm + coords[1]
+    out = []
+    for rows, cols, n_rows, n_cols in ((coords[2], coords[3], nq, nkv), (coords[3], coords[2], nkv, nq)):
+        row = g * n_rows + rows
+        order = np.argsort(row * (2 * n_cols) + (codes == FULL) * n_cols + cols, kind="stable")
+        row_s, col_s, full_s = row[order], cols[order].astype(np.int32), codes[order] == FULL
+        total = Bm * Hm * n_rows
+        n_p = np.bincount(row_s[~full_s], minlength=total).astype(np.int32)
+        n_f = np.bincount(row_s[full_s], minlength=total).astype(np.int32)
+        need = int((n_p + n_f).max(initial=0))
+        w = max(1, need) if width is None else min(int(width), n_cols)
+        if need > w:
+            raise ValueError(
+                f"max_blocks_per_row={width} is too small: some block row has {need} non-empty tiles; "
+                f"pass max_blocks_per_row >= {need} (or None)")
+        # Sorted by (row, full, column): an entry's place in its list is its rank in the row.
+        start = np.cumsum(n_p + n_f) - (n_p + n_f)
+        pos = np.arange(row_s.size) - start[row_s] - np.where(full_s, n_p[row_s], 0)
+        for n, sel in ((n_p, ~full_s), (n_f, full_s)):
+            idx = np.zeros((total, w), np.int32)
+            idx[row_s[sel], pos[sel]] = col_s[sel]
+            out += [jnp.asarray(n.reshape(Bm, Hm, n_rows)), jnp.asarray(idx.reshape(Bm, Hm, n_rows, w))]
+    return tuple(out)
+
+
+def _analysed_states_traced(mask: StaticMod, consts, Bm, Hm, q_len, kv_len, bq, bkv):
+    """States (Bm, Hm, nQ, nKV) under a trace: analysis and samples over the whole block grid,
+    then each q block row with a tile still undecided is evaluated exactly (``lax.cond``)."""
+    nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
+    b = jnp.arange(Bm, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(Hm, dtype=jnp.int32)[None, :, None, None]
+    qi = jnp.arange(nq, dtype=jnp.int32)[:, None]
+    ki = jnp.arange(nkv, dtype=jnp.int32)[None, :]
+    codes = _analyse(mask, consts, b, h, qi, ki, bq, bkv, q_len, kv_len)
+    codes = jnp.broadcast_to(_sample(mask, consts, codes, b, h, qi, ki, bq, bkv, q_len, kv_len), (Bm, Hm, nq, nkv))
+    codes = _padded_edges(codes, qi, ki, bq, bkv, q_len, kv_len)
+
+    def row(i):
+        mine = codes[:, :, i]
+
+        def exact():
+            st = _tile_states_for_q_block(mask, consts, i, B=Bm, H=Hm, q_len=q_len, kv_len=kv_len,
+                                          bq=bq, bkv=bkv, nkv=nkv)
+            return jnp.broadcast_to(st, mine.shape)
+
+        return jax.lax.cond((mine == UNKNOWN).any(), exact, lambda: mine)
+
+    # A sequential map keeps lax.cond a real branch (a batched map would run both).
+    return jnp.moveaxis(jax.lax.map(row, jnp.arange(nq, dtype=jnp.int32)), 0, 2)
+
+
+_analysed_states_jit = jax.jit(_analysed_states_traced, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+# Grids of at most this many tiles are built in one compiled call (``_analysed_states_jit``):
+# one compile instead of several, and no host round trips, where the grid is cheap anyway.
+_SMALL_GRID = 1 << 14
+
+
+def _check_width(lists, width: int):
+    """Under jit: raises (at run time, through a host callback) when a row needs more than ``width``."""
+    def need(n, fn):
+        return (n + fn).max()
+
+    worst = jnp.maximum(need(lists[0], lists[2]), need(lists[4], lists[6]))
+
+    def fail(w):
+        raise ValueError(
+            f"max_blocks_per_row={width} is too small: some block row has {int(w)} non-empty tiles; "
+            f"pass max_blocks_per_row >= {int(w)} (or None)")
+
+    jax.lax.cond(worst > width, lambda w: jax.debug.callback(fail, w), lambda w: None, worst)
+
+
+def _build_mask(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv, analyse: bool,
+                max_blocks_per_row: int | None) -> BlockMask:
+    Bm = B if "b" in mask.uses else 1
+    Hm = H if "h" in mask.uses else 1
+    lists = None
+    nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
+    if analyse:
+        if Bm * Hm * nq * nkv > _SMALL_GRID:
+            lists = _analysed_lists_eager(mask, consts, Bm, Hm, q_len, kv_len, bq, bkv, max_blocks_per_row)
+        if lists is None:
+            states = _analysed_states_jit(mask, consts, Bm, Hm, q_len, kv_len, bq, bkv)
+    else:
+        states = _build_states_jit(mask, consts, Bm, Hm, q_len, kv_len, bq, bkv)
+    if lists is None:
+        lists = lists_from_states(states, max_blocks_per_row)
+    if max_blocks_per_row is not None and isinstance(lists[0], jax.core.Tracer):
+        _check_width(lists, max_blocks_per_row)
+    lists = tuple(jnp.broadcast_to(x, (B, H) + x.shape[2:]) for x in lists)
     return BlockMask(*lists, consts, seq_lengths=(q_len, kv_len), block_size=(bq, bkv), mask=mask)
 
 
 def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q_LEN: int,
-                      KV_LEN: int, *, block_size: int | tuple[int, int] = 128) -> BlockMask:
+                      KV_LEN: int, *, block_size: int | tuple[int, int] = 128, analyse: bool = True,
+                      max_blocks_per_row: int | None = None) -> BlockMask:
     """Classifies every (q block, kv block) tile of ``mask_mod`` as empty, partial or full.
 
-    Works eagerly and inside ``jax.jit`` (arrays the mask_mod closes over may be traced).
-    Memory is O(S * block): the mask is evaluated one slab of q blocks at a time.
+    Tiles are classified by interval analysis of the mask_mod's program (``_analysis.py``);
+    the tiles it cannot decide are sampled, and those still undecided evaluated pair by
+    pair. The result is identical to evaluating every pair. Works eagerly and inside
+    ``jax.jit`` (arrays the mask_mod closes over may be traced).
 
     Args:
       mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), or None for
@@ -394,6 +724,13 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
         (only allowed when the mask_mod does not read ``b`` / ``h``).
       Q_LEN, KV_LEN: sequence lengths (any positive ints).
       block_size: tile size, an int or ``(block_q, block_kv)``.
+      analyse: False evaluates every pair (no analysis), for comparison.
+      max_blocks_per_row: width of the index lists (at most nKV / nQ). Eagerly the lists
+        are as wide as the widest row needs; under ``jit`` they are nKV (nQ) wide unless
+        this bound is given. A row that needs more raises ``ValueError`` eagerly; under
+        ``jit`` a host callback raises it when the computation runs, which surfaces as a
+        ``JaxRuntimeError`` carrying the message (the error cannot be missed, and a bound
+        that holds costs one comparison).
 
     Returns:
       A BlockMask (a pytree) for ``flex_attention(..., block_mask=...)``.
@@ -404,11 +741,14 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     Q_LEN = _check_dim("Q_LEN", Q_LEN, allow_none=False)
     KV_LEN = _check_dim("KV_LEN", KV_LEN, allow_none=False)
     bq, bkv = _check_block_size(block_size)
+    if max_blocks_per_row is not None:
+        max_blocks_per_row = _check_dim("max_blocks_per_row", max_blocks_per_row, allow_none=False)
     if mask_mod is None:
         return full_block_mask(B, H, Q_LEN, KV_LEN, block_size=(bq, bkv))
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
     check_broadcast(traced.static(), B_arg, H_arg)
-    return _with_kv_band(_build_jit(traced.static(), traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv))
+    return _with_kv_band(_build_mask(traced.static(), traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv, analyse,
+                                     max_blocks_per_row))
 
 
 def check_broadcast(mask: StaticMod | None, B, H, *, data_shape: tuple[int, int] | None = None) -> None:

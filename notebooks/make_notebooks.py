@@ -572,11 +572,275 @@ for r in [r for r in records if r["kind"] == "memory"]:
     ]
 
 
+def training_features():
+    return [
+        md("# Training features: sinks, dropout, max scores, forward-mode AD\n\n"
+           "Four arguments of `flex_attention` that training code asks for, all on the same block-sparse "
+           "kernels: learnable attention **sinks** (logits that join the softmax denominator and add no "
+           "value), fused **dropout** on the probabilities, the per-row **max score** as an auxiliary "
+           "output, and **forward-mode AD** (`jax.jvp`) next to the usual `jax.grad`."),
+        code(setup("masks", timing=False)),
+        md("## Sinks learned on a toy task\n\n"
+           "Each query should copy the value of the *previous occurrence of its own token* within the last "
+           "16 positions, and output 0 when there is none (about half the rows). Queries and keys are the "
+           "token embeddings times a learned per-head temperature. Without sinks, a softmax row must put its "
+           "weight somewhere, so the rows with no match cannot output 0. A learnable sink per head gives them "
+           "somewhere to put it. The same model is trained with and without sinks, and every step also "
+           "records the largest attention logit through `return_aux=AuxRequest(max_scores=True)`."),
+        code('''\
+VOCAB, DIM, HEADS, WINDOW = 24, 32, 2, 16
+SEQ, BATCH, STEPS = (64, 8, 80) if SMALL else (128, 16, 300)
+embed = jax.random.normal(jax.random.key(0), (VOCAB, DIM)) / np.sqrt(DIM)
+
+
+def batch(key):
+    tokens = jax.random.randint(key, (BATCH, SEQ), 0, VOCAB)
+    same = tokens[:, :, None] == tokens[:, None, :]
+    offset = jnp.arange(SEQ)[:, None] - jnp.arange(SEQ)[None, :]
+    match = same & (offset > 0) & (offset <= WINDOW)
+    last = jnp.where(match, jnp.arange(SEQ)[None, None, :], -1).max(-1)      # previous occurrence or -1
+    source = jnp.take_along_axis(tokens, jnp.maximum(last, 0), 1)
+    target = jnp.where((last >= 0)[..., None], embed[source], 0.0)
+    return tokens, target
+
+
+def previous_window(b, h, q_idx, kv_idx):
+    return (q_idx > kv_idx) & (q_idx - kv_idx <= WINDOW)
+
+
+block_mask = flexjax.create_block_mask(previous_window, None, None, SEQ, SEQ, block_size=32)
+
+
+def forward(params, tokens, use_sinks):
+    x = jnp.repeat(embed[tokens][:, :, None, :], HEADS, axis=2)            # (B, S, H, DIM)
+    q = x * params["temperature"][None, None, :, None]
+    out, aux = flexjax.flex_attention(q, x, x, block_mask=block_mask, scale=1.0,
+                                      sinks=params["sinks"] if use_sinks else None,
+                                      return_aux=flexjax.AuxRequest(max_scores=True))
+    return out.mean(2), aux.max_scores
+
+
+def loss_fn(params, tokens, target, use_sinks):
+    pred, max_scores = forward(params, tokens, use_sinks)
+    return jnp.mean(jnp.sum((pred - target) ** 2, -1)), jnp.max(max_scores)
+
+
+def train(use_sinks, lr=3.0):
+    params = {"temperature": jnp.array([1.0, 2.0]), "sinks": jnp.zeros((HEADS,))}
+    step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=3)
+    losses, max_logits = [], []
+    for i in range(STEPS):
+        tokens, target = batch(jax.random.key(100 + i))
+        (loss, max_logit), grads = step(params, tokens, target, use_sinks)
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+        losses.append(float(loss))
+        max_logits.append(float(max_logit))
+    return params, losses, max_logits
+
+
+with_sinks = train(True)
+without = train(False)
+print(f"final loss with sinks {with_sinks[1][-1]:.4f}, without {without[1][-1]:.4f}")
+print("learned sinks per head:", np.round(np.asarray(with_sinks[0]["sinks"]), 2))'''),
+        code('''\
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+axes[0].plot(with_sinks[1], label="with sinks")
+axes[0].plot(without[1], label="without")
+axes[0].set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+axes[0].legend()
+axes[1].plot(with_sinks[2], label="with sinks")
+axes[1].plot(without[2], label="without")
+axes[1].set(xlabel="step", ylabel="max logit", title="largest attention logit (AuxRequest(max_scores=True))")
+axes[1].legend()
+plt.tight_layout()'''),
+        md("## Dropout\n\n"
+           "The keep mask is a hash of `(key, b, h, q_idx, kv_idx)`: the same on every backend and tile "
+           "size, regenerated in the backward, never stored. `flexjax.dropout_mask` shows it densely. "
+           "Kept probabilities are scaled by `1/(1 - rate)`, so averaging the output over many keys "
+           "approaches the output without dropout."),
+        code('''\
+S, H, D = (128, 2, 16) if SMALL else (256, 4, 32)
+q, k, v = (jax.random.normal(jax.random.key(i), (1, S, H, D)) for i in range(3))
+bm = flexjax.create_block_mask(masks.causal, None, None, S, S, block_size=64)
+rate = 0.3
+keep = flexjax.dropout_mask(jax.random.key(42), rate, 1, H, S, S)
+print("kept fraction:", float(keep.mean()), "(expected", 1 - rate, ")")
+plain = flexjax.flex_attention(q, k, v, block_mask=bm)
+run = jax.jit(lambda key: flexjax.flex_attention(q, k, v, block_mask=bm, dropout_rate=rate, dropout_rng=key))
+counts = [1, 4, 16, 64] if SMALL else [1, 4, 16, 64, 256]
+errors, total, n = [], 0.0, 0
+for i in range(counts[-1]):
+    total = total + run(jax.random.key(1000 + i))
+    n += 1
+    if n in counts:
+        errors.append(float(jnp.abs(total / n - plain).mean()))
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+axes[0].imshow(np.asarray(keep[0, 0, :64, :64]), cmap="gray")
+axes[0].set_title("keep mask, head 0 (64x64 corner)")
+axes[1].loglog(counts, errors, "o-")
+axes[1].set(xlabel="keys averaged", ylabel="mean |avg - no dropout|", title="dropout is unbiased")
+plt.tight_layout()'''),
+        md("## Forward-mode AD\n\n"
+           "`jax.jvp` through `flex_attention` runs a blockwise tangent pass with the same tiles, while "
+           "`jax.grad` keeps running the hand-written backward. Here a JVP is checked against a central "
+           "finite difference."),
+        code('''\
+table = 0.1 * jax.random.normal(jax.random.key(5), (H, 2 * S))
+
+
+def attend(q, table):
+    return flexjax.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + table[h, ki - qi + S], bm)
+
+
+dq, dt = jax.random.normal(jax.random.key(6), q.shape), jax.random.normal(jax.random.key(7), table.shape)
+_, tangent = jax.jvp(attend, (q, table), (dq, dt))
+eps = 1e-2
+fd = (attend(q + eps * dq, table + eps * dt) - attend(q - eps * dq, table - eps * dt)) / (2 * eps)
+print("max |jvp - finite difference|:", float(jnp.abs(tangent - fd).max()))
+print("max |jvp|:", float(jnp.abs(tangent).max()))'''),
+    ]
+
+
+def decoding():
+    return [
+        md("# Decoding with a paged KV cache\n\n"
+           "A decode step is `flex_attention` with one query per sequence. Three pieces make a serving loop: "
+           "a block mask built once for the whole cache and sliced per step (`flexjax.paged.decode_block_mask`: "
+           "the rows the positions fall in, the mask_mod's `q_idx` shifted to them), traced positions so one "
+           "jitted step serves every length, and paged K/V (`flexjax.paged`): pools of pages and a page table, "
+           "with the mask and mods in logical positions.\n\n"
+           "The model below is tiny and untrained (random weights): it shows the mechanics, and checks each "
+           "step against attention over the gathered contiguous cache."),
+        code(setup("masks, paged", timing=True)),
+        md("## A tiny model and its paged cache"),
+        code('''\
+VOCAB = sorted(set("abcdefghijklmnopqrstuvwxyz .,"))
+V, D_MODEL, HQ, HKV, D = len(VOCAB), 64, 4, 2, 16
+PAGE, MAX_PAGES, NUM_PAGES = 16, 8, 20
+L_MAX = PAGE * MAX_PAGES
+keys = jax.random.split(jax.random.key(0), 5)
+params = {
+    "embed": jax.random.normal(keys[0], (V, D_MODEL)) * 0.5,
+    "wq": jax.random.normal(keys[1], (D_MODEL, HQ * D)) / np.sqrt(D_MODEL),
+    "wkv": jax.random.normal(keys[2], (D_MODEL, 2 * HKV * D)) / np.sqrt(D_MODEL),
+    "out": jax.random.normal(keys[3], (HQ * D, V)) / np.sqrt(HQ * D),
+}
+prompts = ["the cat sat", "a dog ran by the"]
+B = len(prompts)
+k_pages, v_pages = paged.allocate(NUM_PAGES, PAGE, HKV, D)
+lengths = np.array([len(p) for p in prompts])
+# Pages for prompt + 40 new tokens each, shuffled in the pool (a real server allocates on demand).
+table = jnp.asarray(paged.page_table_for(lengths + 40, PAGE, MAX_PAGES, num_pages=NUM_PAGES, seed=1))
+print("page table:\\n", np.asarray(table))
+block_mask = flexjax.create_block_mask(masks.causal, None, None, L_MAX, L_MAX, block_size=PAGE)
+block_mask'''),
+        code('''\
+def qkv(tokens):
+    x = params["embed"][tokens]                                   # (B, T, D_MODEL)
+    q = (x @ params["wq"]).reshape(*tokens.shape, HQ, D)
+    k, v = jnp.split((x @ params["wkv"]).reshape(*tokens.shape, 2 * HKV, D), 2, axis=2)
+    return q, k, v
+
+
+@jax.jit
+def step(k_pages, v_pages, tokens, pos):
+    """One token per sequence at positions ``pos`` (traced): write its K/V, attend, pick the next token."""
+    q, k, v = qkv(tokens[:, None])
+    k_pages, v_pages = paged.write(k_pages, v_pages, table, pos, k, v)
+    bm = paged.decode_block_mask(block_mask, pos)
+    out = paged.flex_attention(q, k_pages, v_pages, table, pos + 1, block_mask=bm)
+    logits = out.reshape(B, HQ * D) @ params["out"]
+    return k_pages, v_pages, jnp.argmax(logits, -1), out
+
+
+# Prefill token by token (a chunked prefill would call the same functions with q_len > 1).
+text = [list(p) for p in prompts]
+pos = jnp.zeros((B,), jnp.int32)
+tokens = jnp.array([VOCAB.index(p[0]) for p in prompts])
+n_steps = int(lengths.max()) + 40
+for t in range(n_steps):
+    k_pages, v_pages, nxt, out = step(k_pages, v_pages, tokens, pos)
+    pos = pos + 1
+    # Inside its prompt a sequence is fed its own next character; past it, the model's choice.
+    tokens = jnp.array([VOCAB.index(prompts[b][t + 1]) if t + 1 < lengths[b] else int(nxt[b]) for b in range(B)])
+    for b in range(B):
+        if t + 1 >= lengths[b] and len(text[b]) < lengths[b] + 40:
+            text[b].append(VOCAB[int(nxt[b])])
+for b in range(B):
+    print(repr("".join(text[b])))
+print("compilations of step:", step._cache_size())'''),
+        md("Attention over the pages at the last position equals `flex_attention` on the contiguous cache "
+           "gathered through the page table:"),
+        code('''\
+q = jax.random.normal(jax.random.key(7), (B, 1, HQ, D))
+k_log, v_log = paged.gather(k_pages, table), paged.gather(v_pages, table)
+last = pos - 1
+ref = flexjax.flex_attention(q, k_log, v_log, backend="reference",
+                             block_mask=flexjax.create_block_mask(masks.causal_with_offset(last), B, None, 1, L_MAX))
+got = paged.flex_attention(q, k_pages, v_pages, table, last + 1, block_mask=paged.decode_block_mask(block_mask, last))
+print("max |paged - contiguous reference|:", float(jnp.abs(got - ref).max()))'''),
+        md("## Step time against cache length\n\n"
+           "One decode step (B=4, Hq=16, Hkv=4, D=64, float32, causal, the query at the end of the cache): "
+           "flex decoding on a contiguous cache, on a paged cache, and `jax.nn.dot_product_attention` with a "
+           "dense mask over the whole cache. The flex steps read only the keys they need, through the block "
+           "mask's tile lists. Timings are medians of 3 runs on this machine (a shared 2-core CPU when "
+           "generated: noisy)."),
+        code('''\
+Bt, Hq, Hkv, Dh, ps = 4, 16, 4, 64, 256
+lengths_t = [1024, 4096] if SMALL else [1024, 4096, 16384, 32768]
+
+
+def median_ms(f, *args, n=3):
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(ts))
+
+
+rows = []
+for L in lengths_t:
+    kk = jax.random.split(jax.random.key(L), 3)
+    q = jax.random.normal(kk[0], (Bt, 1, Hq, Dh))
+    k = jax.random.normal(kk[1], (Bt, L, Hkv, Dh))
+    v = jax.random.normal(kk[2], (Bt, L, Hkv, Dh))
+    p = jnp.full((Bt,), L - 1, jnp.int32)
+    bm = flexjax.create_block_mask(masks.causal, None, None, L, L)
+    tab = jnp.arange(Bt * L // ps, dtype=jnp.int32).reshape(Bt, L // ps)
+    kp, vp = k.reshape(-1, ps, Hkv, Dh), v.reshape(-1, ps, Hkv, Dh)
+    contiguous = jax.jit(lambda q, k, v, p: flexjax.flex_attention(
+        q, k, v, block_mask=paged.decode_block_mask(bm, p)))
+    paged_step = jax.jit(lambda q, kp, vp, tab, p: paged.flex_attention(
+        q, kp, vp, tab, p + 1, block_mask=paged.decode_block_mask(bm, p)))
+    dense = jax.jit(lambda q, k, v, p: jax.nn.dot_product_attention(
+        q, k, v, mask=(jnp.arange(L)[None, :] <= p[:, None])[:, None, None, :]))
+    rows.append((L, median_ms(contiguous, q, k, v, p), median_ms(paged_step, q, kp, vp, tab, p),
+                 median_ms(dense, q, k, v, p)))
+    print("L={:6d}  contiguous {:7.2f} ms  paged {:7.2f} ms  dense {:7.2f} ms".format(*rows[-1]))
+
+Ls = [r[0] for r in rows]
+plt.figure(figsize=(6, 4))
+for i, label in enumerate(["flex, contiguous cache", "flex, paged cache", "jax.nn.dot_product_attention, dense mask"]):
+    plt.plot(Ls, [r[i + 1] for r in rows], marker="o", label=label)
+plt.xscale("log", base=2)
+plt.yscale("log")
+plt.xlabel("cache length")
+plt.ylabel("step time (ms)")
+plt.legend()
+plt.title("one decode step")
+plt.show()'''),
+    ]
+
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": quickstart,
     "02_mods_gallery.ipynb": mods_gallery,
     "03_training_with_learned_bias.ipynb": training,
     "04_performance.ipynb": performance,
+    "05_decoding.ipynb": decoding,
+    "06_training_features.ipynb": training_features,
 }
 
 

@@ -132,7 +132,17 @@ def test_causal_alignment_picture():
 
 
 def _lists(bm):
-    return [np.asarray(x) for x in bm.tree_flatten()[0][:8]]
+    """What two BlockMasks of one mask share: each list's counts and its entries up to them.
+
+    The widths and the entries past each row's count may differ (compact lists eagerly,
+    nKV wide under jit).
+    """
+    lists = [np.asarray(x) for x in bm.tree_flatten()[0][:8]]
+    out = []
+    for num, idx in zip(lists[0::2], lists[1::2]):
+        valid = np.arange(idx.shape[-1]) < num[..., None]
+        out += [num, np.where(valid, idx, -1)[..., : max(int(num.max()), 1)]]
+    return out
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,7 @@ def test_tile_options(options):
     _check("sliding_window+alibi", kernel_options=options)
 
 
+@pytest.mark.slow  # the xla backend's test_deterministic stays in the default suite
 def test_deterministic():
     a = run_case("pallas", "prefix_lm+relative_bias", SHAPES["gqa_unequal"])
     b = run_case("pallas", "prefix_lm+relative_bias", SHAPES["gqa_unequal"])

@@ -4,7 +4,8 @@ Run by ``make test-compile`` inside ``build/venv-compile`` (jax-cuda12-plugin, t
 libtpu; kept out of ``.venv`` because the CUDA plugin logs an error at every ``import jax``
 on a machine without a GPU). For every catalog entry x {bf16, f16, f32} x {D=64, 128, 256}
 x {MHA, GQA} it compiles ``jax.grad`` of the attention (forward, dQ and dK/dV kernels in
-one XLA module):
+one XLA module), and the same for a few entries with fused dropout (``DROPOUT_ENTRIES``,
+named ``<entry>+dropout``):
 
 - cuda: for an H100 (``h100_target_config.txtpb``, sm_90a) through
   ``jax.experimental.topologies``; shared memory per kernel from XLA's thunk sequence,
@@ -57,6 +58,21 @@ SPILL_BUDGET = {"bfloat16": 0, "float16": 0, "float32": 1024}
 # H100 shared memory a block may opt into (shared_memory_per_block_optin in the config).
 SMEM_LIMIT = 232448
 TPU_TOPOLOGY = "v5e:2x2"
+# Entries also compiled with dropout (the hash adds registers to every tile), as (case, dtype,
+# head dim, heads): a plain mask, and a mask with a table-reading score_mod (the heaviest on
+# registers) at the tile table's register edges (f32 D=128 and 256, bf16 D=256). Not the
+# whole grid: Pallas' Triton lowering takes ~60-80 s per dropout entry here (3 s without
+# dropout; the triton backend's kernels ~10 s), so its 36 entries would add ~40 min. When
+# this was set, the grid's 24 bf16/f32 entries compiled for TPU v5e (f16 is refused there)
+# and its 8 bf16/f32 D=256 entries for sm_90, all without failures.
+DROPOUT_ENTRIES = (
+    ("causal", "bfloat16", 128, "gqa"),
+    ("prefix_lm+relative_bias", "bfloat16", 256, "gqa"),
+    ("prefix_lm+relative_bias", "float32", 128, "gqa"),
+    ("prefix_lm+relative_bias", "float32", 256, "gqa"),
+)
+DROPOUT = "+dropout"
+DROPOUT_RATE = 0.1
 KERNELS = ("flexjax_fwd", "flexjax_bwd_dq", "flexjax_bwd_dkv")
 
 
@@ -79,6 +95,7 @@ def configs(targets, only=None):
 
     out = [Config(t, c.name, dt, d, h)
            for t, c, dt, d, h in itertools.product(targets, CATALOG, DTYPES, HEAD_DIMS, HEADS)]
+    out += [Config(t, c + DROPOUT, dt, d, h) for t in targets for c, dt, d, h in DROPOUT_ENTRIES]
     return [c for c in out if only is None or re.search(only, c.key)]
 
 
@@ -189,11 +206,14 @@ def worker(cfgs, dump_dir, results_path, overrides, keep_dump=None):
             t0 = time.perf_counter()
             compile_ = None
             try:
-                _, params, attention = build(BY_NAME[cfg.case], shape, block_size=BLOCK_SIZE)
+                base = cfg.case.removesuffix(DROPOUT)
+                _, params, attention = build(BY_NAME[base], shape, block_size=BLOCK_SIZE)
+                drop = ({"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if base != cfg.case
+                        else {})
 
                 def flexjax_case_fwd(q, k, v, params):
                     options = {"target": cfg.target, **overrides}
-                    return attention(q, k, v, params, backend="pallas", kernel_options=options)
+                    return attention(q, k, v, params, backend="pallas", kernel_options=options, **drop)
 
                 def flexjax_case(q, k, v, params):
                     def loss(q, k, v, params):

@@ -2,7 +2,8 @@
 
 Run by ``make test-compile`` inside ``build/venv-compile`` (triton 3.6, jax-triton, the CUDA
 plugin). For every catalog entry x {bf16, f16, f32} x {D=64, 128, 256} x {MHA, GQA} x
-{sm_90, sm_80} (sm_80: GQA only, unless --all-heads) it lowers ``jax.grad`` of the
+{sm_90, sm_80} (sm_80: GQA only, unless --all-heads), and for the pallas suite's
+``DROPOUT_ENTRIES`` with dropout (``<entry>+dropout``), it lowers ``jax.grad`` of the
 attention with ``backend="triton"`` and ``kernel_options={"target": "cuda",
 "compute_capability": cc}``: jax-triton compiles each generated kernel (forward, dQ, dK/dV)
 through Triton's own pipeline for that GPU and keeps its PTX and shared memory
@@ -39,7 +40,16 @@ os.environ.update(ENV)
 
 sys.path.insert(0, HERE)
 # The grid and the spill budget are the pallas suite's.
-from compile_suite import BLOCK_SIZE, DTYPES, HEAD_DIMS, HEADS, SPILL_BUDGET  # noqa: E402
+from compile_suite import (  # noqa: E402
+    BLOCK_SIZE,
+    DROPOUT,
+    DROPOUT_ENTRIES,
+    DROPOUT_RATE,
+    DTYPES,
+    HEAD_DIMS,
+    HEADS,
+    SPILL_BUDGET,
+)
 
 ARCHS = (90, 80)
 # Shared memory a block may opt into: H100 (sm_90) 227 KiB, A100 (sm_80) 163 KiB.
@@ -66,9 +76,11 @@ def configs(only=None, all_heads=False):
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
     from catalog import CATALOG
 
-    out = [Config(a, c.name, dt, d, h)
-           for a, c, dt, d, h in itertools.product(ARCHS, CATALOG, DTYPES, HEAD_DIMS, HEADS)
+    names = [c.name for c in CATALOG]
+    out = [Config(a, c, dt, d, h)
+           for a, c, dt, d, h in itertools.product(ARCHS, names, DTYPES, HEAD_DIMS, HEADS)
            if all_heads or not (a == 80 and h == "mha")]
+    out += [Config(a, c + DROPOUT, dt, d, h) for a in ARCHS for c, dt, d, h in DROPOUT_ENTRIES]
     return [c for c in out if only is None or re.search(only, c.key)]
 
 
@@ -114,12 +126,15 @@ def worker(cfgs, results_path):
             row = {"key": cfg.key, **dataclasses.asdict(cfg), "kernels": {}}
             t0 = time.perf_counter()
             try:
-                _, params, attention = build(BY_NAME[cfg.case], shape, block_size=BLOCK_SIZE)
+                base = cfg.case.removesuffix(DROPOUT)
+                _, params, attention = build(BY_NAME[base], shape, block_size=BLOCK_SIZE)
                 q, k, v, do = inputs(shape, getattr(jnp, cfg.dtype))
                 opts = {"target": "cuda", "compute_capability": cfg.arch}
+                drop = ({"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(0)} if base != cfg.case
+                        else {})
 
                 def loss(q, k, v, params):
-                    out, _ = attention(q, k, v, params, backend="triton", kernel_options=opts)
+                    out, _ = attention(q, k, v, params, backend="triton", kernel_options=opts, **drop)
                     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
                 jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, params).lower(

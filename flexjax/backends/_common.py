@@ -83,7 +83,9 @@ def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
     cells = states.reshape(B, H, nqc, fq, nkc, fk)
     coarse = jnp.where((cells == FULL).all((3, 5)), FULL,
                        jnp.where((cells != EMPTY).any((3, 5)), PARTIAL, EMPTY)).astype(jnp.int8)
-    return lists_from_states(coarse)
+    # A coarse row gathers fq block rows of at most (list width) tiles each: the coarse
+    # lists need no more, so compact lists stay compact.
+    return lists_from_states(coarse, (min(nkc, fq * lists[1].shape[-1]), min(nqc, fk * lists[5].shape[-1])))
 
 
 # Rows whose max score is at least this large in magnitude are recomputed in the kernels'

@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import _dropout
 from ._common import acc_dtype, allowed, apply_score_mod
 
 NAME = "reference"
+SUPPORTS_DROPOUT = True
 
 
 def unsupported_reason(spec, q, k, v):
@@ -16,7 +18,8 @@ def unsupported_reason(spec, q, k, v):
     return None
 
 
-def _dense(spec, q, k, v, score_consts, mask_consts):
+def _dense(spec, q, k, v, score_consts, mask_consts, seed=None):
+    """out, lse and each row's max score (-inf on rows with no allowed key), densely."""
     B, Sq, Hq, _ = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -36,21 +39,34 @@ def _dense(spec, q, k, v, score_consts, mask_consts):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vf, precision=hi)
+    p = p / jnp.where(l > 0, l, 1.0)
+    if spec.dropout_rate > 0:
+        keep = _dropout.keep_mask(seed, b, h, qi, ki, spec.dropout_rate)
+        p = jnp.where(keep, p / (1.0 - spec.dropout_rate), 0.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=hi)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
-    return out.astype(q.dtype), lse
+    row_max = jnp.where(l > 0, m, -jnp.inf)[..., 0]
+    return out.astype(q.dtype), lse, row_max
 
 
-def forward(spec, q, k, v, score_consts, mask_consts, lists):
-    return _dense(spec, q, k, v, score_consts, mask_consts)
+def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    return _dense(spec, q, k, v, score_consts, mask_consts, dropout_seed)[:2]
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
-    """out, lse and no residuals: the backward differentiates the dense math again."""
-    return (*_dense(spec, q, k, v, score_consts, mask_consts), None)
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    """out, lse and each row's max as the residual (the backward differentiates the dense math again)."""
+    out, lse, row_max = _dense(spec, q, k, v, score_consts, mask_consts, dropout_seed)
+    return out, lse, row_max
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
+def row_stats(lse, residuals):
+    """(row max, log-sum) (B, Hq, Sq): max -inf and log-sum 0 on rows with no allowed key."""
+    row_max = residuals
+    return row_max, jnp.where(lse == -jnp.inf, 0.0, lse - jnp.where(lse == -jnp.inf, 0.0, row_max))
+
+
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
+             dropout_seed=None):
     del residuals
     float_idx = [i for i, want in enumerate(grad_consts) if want]
 
@@ -58,7 +74,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
         consts = list(score_consts)
         for i, c in zip(float_idx, float_consts):
             consts[i] = c
-        return _dense(spec, q, k, v, tuple(consts), mask_consts)
+        return _dense(spec, q, k, v, tuple(consts), mask_consts, dropout_seed)[:2]
 
     _, vjp = jax.vjp(f, q, k, v, tuple(score_consts[i] for i in float_idx))
     dq, dk, dv, dfloat = vjp((dout, dlse))

@@ -14,9 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lists, row_init, row_stats
+from .. import _dropout
+from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lists, row_init
+from ._common import row_stats as stats_of_rows
 
 NAME = "xla"
+SUPPORTS_DROPOUT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,10 +194,22 @@ class _Tile:
     def score_mod(self, spec, consts, s):
         return apply_score_mod(spec, consts, s, self.b, self.h, self.q_idx, self.kv_idx)
 
+    def dropout(self, spec, seed, p):
+        """``p`` with dropout applied (kept entries scaled by 1 / (1 - rate)); ``p`` itself at rate 0."""
+        return _dropped(spec, seed, p, self.b, self.h, self.q_idx, self.kv_idx)
+
+
+def _dropped(spec, seed, p, b, h, q_idx, kv_idx):
+    """``p`` times the dropout keep mask of (b, h, q_idx, kv_idx) over ``1 - rate`` (no-op at rate 0)."""
+    if spec.dropout_rate == 0:
+        return p
+    keep = _dropout.keep_mask(seed, b, h, q_idx, kv_idx, spec.dropout_rate)
+    return jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+
 
 # -- forward -------------------------------------------------------------------------------
 
-def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids):
+def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids, seed=None):
     """Forward for one group of (batch, head) rows that share their tile lists.
 
     qt: (Bs, Hs, Gs, Sq_pad, D); kT: (Bs, Hs, D, Skv_pad); vt: (Bs, Hs, Skv_pad, Dv);
@@ -225,7 +240,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
                 p = jnp.exp(s - m_new[..., None])
                 alpha = jnp.exp(m - m_new)
                 l = l * alpha + p.sum(-1)
-                pv = _bmm(_rows(p, lead), _rows(_slice(vt, j * g.tk, g.tk, 2), lead))
+                pv = _bmm(_rows(tile.dropout(spec, seed, p), lead), _rows(_slice(vt, j * g.tk, g.tk, 2), lead))
                 acc = acc * alpha[..., None] + pv.reshape(acc.shape)
                 return m_new, l, acc
 
@@ -238,7 +253,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
         carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
         m, l, acc = carry
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return out, row_stats(m, l)
+        return out, stats_of_rows(m, l)
 
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32)), lead)
 
@@ -252,7 +267,7 @@ def _q_major(tiles, lead):
     return jax.tree.map(one, tiles)
 
 
-def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids):
+def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_ids, seed=None):
     """Forward for band-like masks: each q tile attends one contiguous kv slice.
 
     The slice starts at the q tile's first non-empty kv tile and is ``width`` positions
@@ -264,7 +279,7 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
     kv_n, kv_i, fkv_n, fkv_i = lists[:4]
     lead = qt.shape[:3]
     skv_pad = kT.shape[-1]
-    nkv = kv_i.shape[-1]
+    nkv = g.nk  # the lists may be narrower than nKV: any index past the last tile marks 'none'
 
     def q_tile(i):
         first = jnp.minimum(jnp.where(kv_n[i] > 0, kv_i[i, 0], nkv), jnp.where(fkv_n[i] > 0, fkv_i[i, 0], nkv))
@@ -283,8 +298,9 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
         m = jnp.maximum(s.max(-1), row_init(s.dtype))
         p = jnp.exp(s - m[..., None])
         l = p.sum(-1)
+        p = _dropped(spec, seed, p, b, h, q_c, kv_c)
         pv = _bmm(_rows(p, lead), _rows(_slice(vt, start, width, 2), lead)).reshape(lead + (g.tq, -1))
-        return pv / jnp.where(l > 0, l, 1.0)[..., None], row_stats(m, l)
+        return pv / jnp.where(l > 0, l, 1.0)[..., None], stats_of_rows(m, l)
 
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32), batch_size=_BAND_BATCH), lead)
 
@@ -292,8 +308,7 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
 # -- backward ------------------------------------------------------------------------------
 
 def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, dot, qT, doT, row_max, log_sum,
-              delta, lists,
-              b_ids, h_ids):
+              delta, lists, b_ids, h_ids, seed=None):
     """dq, dk, dv and score-const gradients for one group of rows sharing tile lists.
 
     qt, dot: (Bs, Hs, Gs, Sq_pad, D / Dv) and their transposes qT, doT (Bs, Hs, Gs, D / Dv,
@@ -336,12 +351,12 @@ def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, d
                 p = jnp.exp((s - max_i[..., None]) - log_sum_i[..., None])
                 if masked:
                     p = jnp.where(tile.ok, p, 0.0)
-                p_rows = _rows(p, lead)
+                p_rows = _rows(tile.dropout(spec, seed, p), lead)
                 # (Gs, tq) must be adjacent for the transposed operands: a real copy only
                 # for GQA groups (Gs > 1), a free reshape otherwise.
                 doT_i = jnp.moveaxis(_slice(doT, i * g.tq, g.tq, 4), 2, 3).reshape(_row_lead(lead) + (dv_dim, -1))
                 dvT = dvT + _bmm(doT_i, p_rows)
-                dp = _bmm(_rows(do_blk, lead), vT_j).reshape(tile_shape)
+                dp = tile.dropout(spec, seed, _bmm(_rows(do_blk, lead), vT_j).reshape(tile_shape))
                 ds = p * (dp - delta_i[..., None])
                 ds_raw, dc = mod_vjp(ds)
                 ds_rows = _rows(ds_raw, lead)
@@ -447,13 +462,22 @@ def _prepare(spec, q, k, lists, backward: bool):
     return g, band, coarse, batch_shared, head_shared, b_ids, h_ids
 
 
-def forward(spec, q, k, v, score_consts, mask_consts, lists):
-    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
     return out, lse
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
+def row_stats(lse, residuals):
+    """(row max, log-sum) float (B, Hq, Sq) from the residuals; max -inf, log-sum 0 on rows with no key."""
+    row_max, log_sum = residuals
+    return jnp.where(lse == -jnp.inf, -jnp.inf, row_max), log_sum
+
+
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
     """out, lse and, for the backward, each row's (max, log-sum) (B, Hq, Sq)."""
+    from . import _decode  # few queries (Sq <= 64): GQA rows packed, KV chunks merged by lse
+    if _decode.serves(spec, q):
+        return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
     g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
     hkv = k.shape[2]
     skv_pad = max(g.nk * g.tk, band or 0)
@@ -465,9 +489,9 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
     def core(qt_, kv, qrows, lists_, b_, h_):
         lst = tuple(x[0, 0, 0] for x in lists_)
         if band is not None:
-            out, stats = _fwd_band_core(spec, g, band, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
+            out, stats = _fwd_band_core(spec, g, band, score_consts, mask_consts, qt_, *kv, lst, b_, h_, dropout_seed)
         else:
-            out, stats = _fwd_core(spec, g, score_consts, mask_consts, qt_, *kv, lst, b_, h_)
+            out, stats = _fwd_core(spec, g, score_consts, mask_consts, qt_, *kv, lst, b_, h_, dropout_seed)
         return (out, *stats), (), ()
 
     (out, *stats), _, _ = _run_groups(core, b_sh, h_sh, qt, (kT, vt), (), coarse, b_ids, h_ids)
@@ -477,7 +501,8 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
     return out, lse, (row_max, log_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
+             dropout_seed=None):
     """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``; None
     for the others.
 
@@ -506,7 +531,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
 
     def core(qt_, kv, qrows, lists_, b_, h_):
         dq, dkT, dvT, dconsts = _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt_, *kv, *qrows,
-                                          tuple(x[0, 0, 0] for x in lists_), b_, h_)
+                                          tuple(x[0, 0, 0] for x in lists_), b_, h_, dropout_seed)
         return (dq,), (dkT, dvT), dconsts
 
     qrows = (dot, jnp.swapaxes(qt, -1, -2), jnp.swapaxes(dot, -1, -2), max_t, log_sum_t, delta_t)
@@ -519,3 +544,131 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     for n, dcn in zip(float_idx, dconsts):
         dscore[n] = dcn.astype(score_consts[n].dtype)
     return dq, dk, dv, tuple(dscore)
+
+
+# -- forward-mode tangent --------------------------------------------------------------------
+
+def _tangent_core(spec, g, score_consts, t_consts, mask_consts, qt, kv, qrows, lists, b_ids, h_ids, seed, has):
+    """Tangent of (out, lse) for one group of rows sharing tile lists.
+
+    With P the probabilities (from the saved row max and log-sum), W the dropout weights
+    and dS the tangent of the modified scores: dP = P * (dS - mu), mu = rowsum(P * dS) =
+    the lse tangent, so d out = (P W dS) V - mu (P W) V + (P W) dV. One pass over each q
+    tile's kv list, with the forward's tiles. ``has`` flags which of (dq, dk, dv) exist.
+    """
+    kT, vt, *kv_t = kv
+    tkT = kv_t.pop(0) if has[1] else None
+    tvt = kv_t.pop(0) if has[2] else None
+    tqt = qrows[0] if has[0] else None
+    row_max, log_sum = qrows[-2:]
+    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    float_idx = [n for n, t in enumerate(t_consts) if t is not None]
+    lead = qt.shape[:3]
+    dv = vt.shape[-1]
+    tile_shape = lead + (g.tq, g.tk)
+    dt = qt.dtype
+    any_ds = has[0] or has[1] or bool(float_idx)
+
+    def with_float(consts_f):
+        consts = list(score_consts)
+        for n, c in zip(float_idx, consts_f):
+            consts[n] = c
+        return tuple(consts)
+
+    def q_tile(i):
+        q_i = _rows(_slice(qt, i * g.tq, g.tq, 3), lead)
+        tq_i = _rows(_slice(tqt, i * g.tq, g.tq, 3), lead) if has[0] else None
+        max_i = _slice(row_max, i * g.tq, g.tq, 3)[..., None]
+        log_sum_i = _slice(log_sum, i * g.tq, g.tq, 3)[..., None]
+
+        def step(masked, idx_list):
+            def body(t, carry):
+                acc_o, acc_d, acc_v, mu = carry
+                j = idx_list[t]
+                tile = _Tile(spec, g, mask_consts, b_ids, h_ids, i, j, masked)
+                kT_j = _rows(_slice(kT, j * g.tk, g.tk, 3), lead)
+                v_j = _rows(_slice(vt, j * g.tk, g.tk, 2), lead)
+                s_raw = _bmm(q_i, kT_j).reshape(tile_shape)
+                if any_ds:
+                    ds_raw = jnp.zeros(tile_shape, dt)
+                    if has[0]:
+                        ds_raw = ds_raw + _bmm(tq_i, kT_j).reshape(tile_shape)
+                    if has[1]:
+                        ds_raw = ds_raw + _bmm(q_i, _rows(_slice(tkT, j * g.tk, g.tk, 3), lead)).reshape(tile_shape)
+                    consts_f = tuple(score_consts[n] for n in float_idx)
+                    tangents_f = tuple(t_consts[n] for n in float_idx)
+                    s, ds = jax.jvp(lambda s_, c_: tile.score_mod(spec, with_float(c_), s_), (s_raw, consts_f),
+                                    (ds_raw, tangents_f))
+                else:
+                    s = tile.score_mod(spec, score_consts, s_raw)
+                p = jnp.exp((s - max_i) - log_sum_i)
+                if masked:
+                    p = jnp.where(tile.ok, p, 0.0)
+                pw = tile.dropout(spec, seed, p)
+                acc_o = acc_o + _bmm(_rows(pw, lead), v_j).reshape(acc_o.shape)
+                if any_ds:
+                    # p > 0 guards 0 * inf where a score (and its tangent) is infinite.
+                    pds = jnp.where(p > 0, p * ds, 0.0)
+                    mu = mu + pds.sum(-1)
+                    acc_d = acc_d + _bmm(_rows(jnp.where(p > 0, pw * ds, 0.0), lead), v_j).reshape(acc_d.shape)
+                if has[2]:
+                    acc_v = acc_v + _bmm(_rows(pw, lead), _rows(_slice(tvt, j * g.tk, g.tk, 2), lead)).reshape(
+                        acc_v.shape)
+                return acc_o, acc_d, acc_v, mu
+
+            return body
+
+        zeros_o = jnp.zeros(lead + (g.tq, dv), dt)
+        carry = (zeros_o, zeros_o, zeros_o, jnp.zeros(lead + (g.tq,), dt))
+        carry = jax.lax.fori_loop(0, kv_n[i], step(True, kv_i[i]), carry)
+        carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
+        acc_o, acc_d, acc_v, mu = carry
+        return acc_d - mu[..., None] * acc_o + acc_v, mu
+
+    return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32)), lead)
+
+
+def tangent(spec, q, k, v, out, row_max, log_sum, score_consts, mask_consts, lists, tq, tk, tv, t_consts,
+            dropout_seed=None):
+    """Forward-mode tangent (d out, d lse) of flex_attention, blockwise (any backend's forward).
+
+    Args:
+      q, k, v, out: the primal inputs and output; row_max, log_sum: (B, Hq, Sq) from the
+        backend's ``row_stats`` (max -inf, log-sum 0 on rows with no allowed key).
+      tq, tk, tv: tangents of q, k, v, or None (zero); t_consts: one per score_mod
+        captured array, None where zero.
+
+    Returns:
+      d out (B, Sq, Hq, Dv) and d lse (B, Hq, Sq), in the accumulation dtype.
+    """
+    del out
+    g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
+    B, Sq, Hq, _ = q.shape
+    hkv = k.shape[2]
+    sq_pad, skv_pad = g.nq * g.tq, g.nk * g.tk
+    dt = acc_dtype(q.dtype)
+    qt = _pad_seq(_heads_major(q, hkv) * spec.scale, sq_pad)
+    kT = _pad_seq(jnp.swapaxes(_heads_major(k, hkv)[:, :, 0], -1, -2), skv_pad, axis=-1)
+    vt = _pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad)
+    has = (tq is not None, tk is not None, tv is not None)
+    kv = [kT, vt]
+    if has[1]:
+        kv.append(_pad_seq(jnp.swapaxes(_heads_major(tk, hkv)[:, :, 0], -1, -2), skv_pad, axis=-1))
+    if has[2]:
+        kv.append(_pad_seq(_heads_major(tv, hkv)[:, :, 0], skv_pad))
+    pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
+    # Rows with no allowed key: max 0 (every P there is masked to 0 anyway).
+    row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
+    qrows = [jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows) for x in (row_max, log_sum)]
+    if has[0]:
+        qrows.insert(0, _pad_seq(_heads_major(tq, hkv) * spec.scale, sq_pad))
+    t_consts = tuple(None if t is None else t.astype(jnp.promote_types(dt, t.dtype)) for t in t_consts)
+
+    def core(qt_, kv_, qrows_, lists_, b_, h_):
+        t_out, t_lse = _tangent_core(spec, g, score_consts, t_consts, mask_consts, qt_, kv_, qrows_,
+                                     tuple(x[0, 0, 0] for x in lists_), b_, h_, dropout_seed, has)
+        return (t_out, t_lse), (), ()
+
+    (t_out, t_lse), _, _ = _run_groups(core, b_sh, h_sh, qt, tuple(kv), tuple(qrows), coarse, b_ids, h_ids)
+    t_out = t_out[..., :Sq, :].reshape(B, Hq, Sq, -1).transpose(0, 2, 1, 3)
+    return t_out, t_lse[..., :Sq].reshape(B, Hq, Sq)

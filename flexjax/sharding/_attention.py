@@ -504,7 +504,8 @@ def specs_from_types(query, key, value) -> AttentionSpecs | None:
 
 
 def maybe_sharded_attention(query, key, value, score_mod=None, block_mask=None, *, scale=None,
-                            return_lse=False, backend=None, kernel_options=None) -> Any:
+                            return_lse=False, backend=None, kernel_options=None, dropout=False,
+                            max_scores=False) -> Any:
     """The hook of ``flexjax.flex_attention``: the sharded result, or NotImplemented.
 
     The active ``attention_specs`` say how to shard; without them, q/k/v sharded over
@@ -520,13 +521,21 @@ def maybe_sharded_attention(query, key, value, score_mod=None, block_mask=None, 
         specs = None
     if specs is None or set(specs.names()) & set(jax.sharding.get_abstract_mesh().manual_axes):
         return NotImplemented
+    for wanted, what in ((dropout, "dropout_rate > 0"), (max_scores, "return_aux=AuxRequest(max_scores=True)")):
+        if wanted:
+            # Each shard sees local b/h/positions: its dropout hash and row maxima would need
+            # the global ones mapped in, which the sharded path does not do yet.
+            raise NotImplementedError(
+                f"{what} is not supported for sharded inputs (attention_specs or Explicit shardings) yet; "
+                "run flex_attention on unsharded arrays, or inside your own shard_map")
     return sharded_flex_attention(specs, query, key, value, score_mod, block_mask, scale=scale,
                                   return_lse=return_lse, backend=backend, kernel_options=kernel_options)
 
 
 def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                    score_mod: Callable | None = None, block_mask: BlockMask | None = None, *,
-                   scale: float | None = None, return_lse: bool = False,
+                   scale: float | None = None, return_lse: bool = False, return_aux=None, sinks=None,
+                   dropout_rate: float = 0.0, dropout_rng=None,
                    backend: str | None = None, kernel_options: dict | None = None) -> Any:
     """``flexjax.flex_attention``, sharded as the active ``attention_specs`` say.
 
@@ -536,8 +545,9 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     and the output (and lse) come back sharded like the query. It is
     ``flexjax.flex_attention`` itself, which dispatches here (``maybe_sharded_attention``).
     """
-    return _flex_attention(query, key, value, score_mod, block_mask, scale=scale,
-                           return_lse=return_lse, backend=backend, kernel_options=kernel_options)
+    return _flex_attention(query, key, value, score_mod, block_mask, scale=scale, return_lse=return_lse,
+                           return_aux=return_aux, sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                           backend=backend, kernel_options=kernel_options)
 
 
 def visited_tiles(block_mask: BlockMask) -> np.ndarray:

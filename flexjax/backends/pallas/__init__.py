@@ -21,6 +21,8 @@ from ._layout import geometry, pad_axis, prologues, score_const_grads
 from ._tile import Mods
 
 NAME = "pallas"
+# Fused: the keep mask is hashed tile by tile in the kernels (flexjax._dropout).
+SUPPORTS_DROPOUT = True
 
 _TARGETS = ("cuda", "tpu")
 
@@ -220,29 +222,61 @@ def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
 
-def forward(spec, q, k, v, score_consts, mask_consts, lists):
-    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+def _dropout_args(spec, dropout_seed) -> dict:
+    """The templates' dropout keywords: none at rate 0 (the kernels are then the plain ones)."""
+    rate = spec.dropout_rate
+    if not rate:
+        return {}
+    if dropout_seed is None:
+        raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
+    return {"rate": rate, "seed": jnp.asarray(dropout_seed, jnp.uint32).reshape(2)}
+
+
+def row_stats(lse, residuals):
+    """(row max, log of the row sum) of the forward, each (B, Hq, Sq) float32.
+
+    The max is that of the row's modified, allowed scores (-inf on a row with no allowed
+    key); the sum is of exp(s - max), undropped (0 on such rows, so its log is set to 0).
+    """
+    del lse
+    row_max, row_sum = residuals
+    alive = row_sum > 0
+    return jnp.where(alive, row_max, -jnp.inf), jnp.where(alive, jnp.log(jnp.where(alive, row_sum, 1.0)), 0.0)
+
+
+def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
     return out, lse
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
-    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32."""
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32.
+
+    ``dropout_seed``: (2,) uint32 when ``spec.dropout_rate`` > 0 (the statistics are those
+    of the undropped probabilities).
+    """
     o = _resolve(spec, q.shape[-1], q.dtype)
+    from . import _decode  # few queries: KV split over programs, merged by lse
+    if _decode.serves(spec, q, o):
+        return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, _mods(spec, o))
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _template(o).forward(g, mods, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
                                                  target=o.target, interpret=o.interpret,
-                                                 warps=o.num_warps, stages=o.num_stages)
+                                                 warps=o.num_warps, stages=o.num_stages,
+                                                 **_dropout_args(spec, dropout_seed))
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq, 0], row_sum[:, :, :Sq, 0]
     return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
+             dropout_seed=None):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
-    ``residuals``: the (row max, row sum) of ``forward_with_residuals``. Rows with a huge
+    ``residuals``: the (row max, row sum) of ``forward_with_residuals``; ``dropout_seed`` the
+    forward's (the kernels regenerate its keep mask). Rows with a huge
     max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which
     gives P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS =
     P (dP - delta) come out exact.
@@ -259,7 +293,8 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
     dq, dk, dv, d_rows, d_cols, d_arrays = _template(o).backward(
         g, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
-        target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages)
+        target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages,
+        **_dropout_args(spec, dropout_seed))
     # The kernels produce every float array's partial gradients; pulling them back to the
     # captured arrays is skipped when none is differentiated.
     wanted = any(grad_consts)

@@ -5,7 +5,9 @@ partial then full tile lists, with an online softmax in registers. Backward
 (FlashAttention-2): a dQ kernel over the same lists, and a dK/dV kernel per (kv tile,
 batch x kv head) over the transposed lists and the query heads of its GQA group, so K/V
 are never copied per query head and dK/dV need no reduction afterwards. The lists are
-int32 input refs; captured arrays the kernel gathers from are whole-array refs.
+int32 input refs; captured arrays the kernel gathers from are whole-array refs. With
+dropout the (2,) uint32 seed is the last input (a whole-array ref) and every tile hashes
+its keep mask (``_tile.Dropout``); at rate 0 neither exists.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.experimental import pallas as pl
 
 from ._layout import Geom, Prologue, is_float
 from ._tile import (
+    Dropout,
     ModInputs,
     Mods,
     backward_tile,
@@ -121,12 +124,26 @@ def _pro_refs(it, pro: Prologue):
     return (_take(it, len(pro.rows)), _take(it, len(pro.cols)), _take(it, len(pro.arrays)))
 
 
+def _dropout(it, rate: float):
+    """The Dropout of a kernel whose inputs end with the (2,) int32 seed ref; None at rate 0."""
+    if not rate:
+        return None
+    seed_ref = next(it)
+    return Dropout(rate, (seed_ref[0], seed_ref[1]))
+
+
+def _seed_args(seed, rate: float):
+    """The seed operand (a trailing kernel input) when dropout is on, as int32 (see ``_dropout``)."""
+    return (jax.lax.bitcast_convert_type(seed, jnp.int32),) if rate else ()
+
+
 # -- forward ---------------------------------------------------------------------------------
 
-def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes):
+def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, rate: float):
     it = iter(refs)
     kv_n, kv_i, fkv_n, fkv_i, q_ref, k_ref, v_ref = _take(it, 7)
     s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
+    drop = _dropout(it, rate)
     o_ref, m_ref, l_ref = _take(it, 3)
     i, bh = pl.program_id(0), pl.program_id(1)
     b, h = _div(bh, g.Hq), _rem(bh, g.Hq)
@@ -144,7 +161,7 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes):
             t = prog.tile(h, q_start, ks)
             return forward_tile(mods, carry, q, k, v, t, scale, masked,
                                 prog.mod_inputs(s_refs, *s_uses, h, q_start, ks),
-                                prog.mod_inputs(m_refs, *m_uses, h, q_start, ks))
+                                prog.mod_inputs(m_refs, *m_uses, h, q_start, ks), drop)
 
         return step
 
@@ -153,20 +170,22 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes):
              jnp.zeros((g.tq, dv), jnp.float32))
     carry = _walk(kv_n, kv_i, prog, h, row, g.sub_k, body(True), carry)
     carry = _walk(fkv_n, fkv_i, prog, h, row, g.sub_k, body(False), carry)
-    out, m, l = finish(carry)
+    out, m, l = finish(carry, drop)
     o_ref[...] = out.astype(o_ref.dtype)
     m_ref[...] = m
     l_ref[...] = l
 
 
 def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue, *,
-            target: str | None, interpret: bool, warps: int, stages: int):
+            target: str | None, interpret: bool, warps: int, stages: int, rate: float = 0.0, seed=None):
     """q (B, sq, Hq, D), k/v (B, skv, Hkv, .) padded; returns out (B, sq, Hq, Dv) and each row's max and
-    sum (B, Hq, sq, 1) float32 (see ``_tile.finish``)."""
+    sum (B, Hq, sq, 1) float32 (see ``_tile.finish``). ``rate`` > 0: dropout on P with the (2,)
+    uint32 ``seed``."""
     G, Hq = g.G, g.Hq
     kv_n, kv_i, fkv_n, fkv_i = lists[:4]
     D, Dv = q.shape[-1], v.shape[-1]
-    pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays)
+    pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays,
+                *_seed_args(seed, rate))
     in_specs = [_whole(x) for x in (kv_n, kv_i, fkv_n, fkv_i)] + [
         pl.BlockSpec((None, g.tq, None, D), lambda i, bh: (bh // Hq, i, bh % Hq, 0)),
         pl.BlockSpec((None, g.skv, None, D), lambda i, bh: (bh // Hq, 0, (bh % Hq) // G, 0)),
@@ -174,7 +193,7 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
     ] + [_whole(x) for x in pro_args]
     vec_spec = pl.BlockSpec((None, None, g.tq, 1), lambda i, bh: (bh // Hq, bh % Hq, i, 0))
     out_specs = [pl.BlockSpec((None, g.tq, None, Dv), lambda i, bh: (bh // Hq, i, bh % Hq, 0)), vec_spec, vec_spec]
-    kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro))
+    kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro), rate=rate)
     vec = jax.ShapeDtypeStruct((g.B, Hq, g.sq, 1), jnp.float32)
     out, row_max, row_sum = pl.pallas_call(
         kernel, grid=(g.sq // g.tq, g.B * Hq), in_specs=in_specs, out_specs=out_specs,
@@ -187,10 +206,11 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
 
 # -- backward: dQ ----------------------------------------------------------------------------
 
-def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, arr_info):
+def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, arr_info, rate: float):
     it = iter(refs)
     kv_n, kv_i, fkv_n, fkv_i, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(it, 10)
     s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
+    drop = _dropout(it, rate)
     dq_ref = next(it)
     drow_refs = _take(it, n_drows)
     darr_refs = _take(it, sum(1 for info in arr_info if info is not None))
@@ -223,7 +243,7 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, a
             t = prog.tile(h, q_start, ks)
             tg = backward_tile(mods, q, k, v, do, lse, delta, t, scale, masked,
                                prog.mod_inputs(s_refs, *s_uses, h, q_start, ks),
-                               prog.mod_inputs(m_refs, *m_uses, h, q_start, ks))
+                               prog.mod_inputs(m_refs, *m_uses, h, q_start, ks), drop=drop)
             dq = dq + dot(tg.ds.astype(k.dtype), k)
             drows = tuple(a + d for a, d in zip(drows, [d for d in tg.rows if d is not None]))
             for kk, idx, d in tg.reads:
@@ -255,10 +275,11 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, a
 
 # -- backward: dK/dV -------------------------------------------------------------------------
 
-def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_dcols: int):
+def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_dcols: int, rate: float):
     it = iter(refs)
     q_n, q_i, fq_n, fq_i, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = _take(it, 10)
     s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
+    drop = _dropout(it, rate)
     dk_ref, dv_ref = _take(it, 2)
     dcol_refs = _take(it, n_dcols)
     j, bkv = pl.program_id(0), pl.program_id(1)
@@ -289,7 +310,7 @@ def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_dcols: int):
                 t = prog.tile(h, qs, ks)
                 tg = backward_tile(mods, None, None, None, None, lse, delta, t, scale, masked,
                                    prog.mod_inputs(s_refs, *s_uses, h, qs, ks),
-                                   prog.mod_inputs(m_refs, *m_uses, h, qs, ks), qk=qk, dov=dov)
+                                   prog.mod_inputs(m_refs, *m_uses, h, qs, ks), qk=qk, dov=dov, drop=drop)
                 dv = dv + dot_tn(tg.p.astype(do_ref.dtype), do_ref[rows, h, :])
                 dk = dk + dot_tn(tg.ds.astype(q_ref.dtype), q_ref[rows, h, :])
                 dcols = tuple(a + d for a, d in zip(dcols, [d for d in tg.cols if d is not None]))
@@ -311,7 +332,7 @@ def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_dcols: int):
 
 
 def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: Prologue, m_pro: Prologue, *,
-             target: str | None, interpret: bool, warps: int, stages: int):
+             target: str | None, interpret: bool, warps: int, stages: int, rate: float = 0.0, seed=None):
     """Padded inputs as in ``forward``; lse (-inf replaced by 0) and delta (B, Hq, sq, 1) float32.
 
     Returns dq, dk, dv (padded), and the score_mod's gradients: per row / col (B, Hq, sq, 1)
@@ -320,7 +341,8 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     """
     G, Hq, Hkv = g.G, g.Hq, g.Hkv
     D, Dv = q.shape[-1], v.shape[-1]
-    pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays)
+    pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays,
+                *_seed_args(seed, rate))
     params = _compiler_params(target, interpret, warps, stages)
     float_rows = [is_float(r) for r in s_pro.rows]
     float_cols = [is_float(c) for c in s_pro.cols]
@@ -340,7 +362,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     out_shape += [jax.ShapeDtypeStruct((nq, g.B * Hq, n), jnp.float32) for n in flat_sizes]
     out_specs += [pl.BlockSpec((None, None, n), lambda i, bh: (i, bh, 0)) for n in flat_sizes]
     kernel = functools.partial(_dq_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro),
-                               n_drows=sum(float_rows), arr_info=arr_info)
+                               n_drows=sum(float_rows), arr_info=arr_info, rate=rate)
     dq, *rest = pl.pallas_call(
         kernel, grid=(nq, g.B * Hq),
         in_specs=[_whole(x) for x in lists[:4]] + [row_spec(D), seq_spec(D), seq_spec(Dv), row_spec(Dv),
@@ -366,7 +388,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     out_specs = [kv_spec(D), kv_spec(Dv)] + [
         pl.BlockSpec((None, Hq, 1, g.skv), lambda j, b: (b // Hkv, 0, 0, 0)) for f in float_cols if f]
     kernel = functools.partial(_dkv_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro),
-                               n_dcols=sum(float_cols))
+                               n_dcols=sum(float_cols), rate=rate)
     dk, dv, *rest = pl.pallas_call(
         kernel, grid=(nk, g.B * Hkv),
         in_specs=[_whole(x) for x in lists[4:]] + [all_q(D), kv_spec(D), kv_spec(Dv), all_q(Dv), all_vec,

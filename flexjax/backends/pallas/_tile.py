@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ... import _dropout
 from ..._modcompiler import CompiledMod
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -68,6 +69,32 @@ def tile_indices(b, h, q_start, kv_start, tq, tk, q_len, kv_len, full_2d: bool =
     return Tile(b, h, jnp.minimum(qi, q_len - 1), jnp.minimum(ki, kv_len - 1), qi < q_len, ki < kv_len)
 
 
+@dataclasses.dataclass
+class Dropout:
+    """Dropout on the probabilities of one kernel: the rate and the two uint32 seed words (scalars).
+
+    The keep mask is ``_dropout.keep_mask`` of the tile's global indices, so it is the same
+    for every tile size, template and pass.
+    """
+
+    rate: float
+    seed: tuple
+
+    @property
+    def inv_keep(self) -> float:
+        return 1.0 / (1.0 - self.rate)
+
+    def keep(self, t: Tile):
+        """bool keep mask of tile ``t`` (the shape of ``t.q_idx & t.kv_idx``)."""
+        # One row hash per query row and one column hash per key: on (tq, tk) index tiles
+        # (the TPU template's) hash the first column / row only and broadcast.
+        q_idx = t.q_idx[:, :1] if t.q_idx.shape[-1] > 1 else t.q_idx
+        kv_idx = t.kv_idx[:1, :] if t.kv_idx.shape[0] > 1 else t.kv_idx
+        keep = _dropout.keep_from_hashes(_dropout.row_hash(self.seed, t.b, t.h, q_idx),
+                                         _dropout.col_hash(self.seed, kv_idx), self.rate)
+        return jnp.broadcast_to(keep, jnp.broadcast_shapes(t.q_idx.shape, t.kv_idx.shape))
+
+
 def apply_score(mods: Mods, s_raw, t: Tile, inputs: ModInputs):
     if mods.score is None:
         return s_raw
@@ -82,10 +109,12 @@ def allowed(mods: Mods, t: Tile, inputs: ModInputs):
     return ok
 
 
-def softmax_step(carry, s, v):
+def softmax_step(carry, s, v, keep=None):
     """One online-softmax step: carry (m (tq, 1), l (tq, 1), acc (tq, Dv)) float32.
 
-    Row statistics stay 2-D so the same code suits Triton and Mosaic layouts.
+    Row statistics stay 2-D so the same code suits Triton and Mosaic layouts. ``keep``
+    (dropout): the row max and sum stay those of all probabilities, ``acc`` takes only
+    the kept ones (``finish`` rescales by 1 / (1 - rate)).
     """
     m, l, acc = carry
     m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -95,28 +124,32 @@ def softmax_step(carry, s, v):
     p = jnp.exp(s - m_use)
     alpha = jnp.exp(m - m_use)
     l = l * alpha + p.sum(axis=-1, keepdims=True)
-    acc = acc * alpha + dot(p.astype(v.dtype), v)
+    pv = p if keep is None else jnp.where(keep, p, 0.0)
+    acc = acc * alpha + dot(pv.astype(v.dtype), v)
     return m_new, l, acc
 
 
-def finish(carry):
+def finish(carry, drop: Dropout | None = None):
     """(out (tq, Dv), row max (tq, 1), row sum (tq, 1)) from the final carry.
 
     Out is 0 and the max 0 on empty rows (sum 0). The max and sum stay apart (lse =
     max + log(sum) is formed outside): at |max| ~ 1e30 float32 lse has lost log(sum),
-    which the backward needs.
+    which the backward needs. With dropout, out = (P * keep) V / (1 - rate).
     """
     m, l, acc = carry
     out = acc / jnp.where(l > 0, l, 1.0)
+    if drop is not None:
+        out = out * drop.inv_keep
     return out, jnp.where(l > 0, m, 0.0), l
 
 
-def forward_tile(mods, carry, q, k, v, t: Tile, scale, masked: bool, score_in: ModInputs, mask_in: ModInputs):
-    """Forward of one tile: scores, score_mod, (mask_mod), online softmax."""
+def forward_tile(mods, carry, q, k, v, t: Tile, scale, masked: bool, score_in: ModInputs, mask_in: ModInputs,
+                 drop: Dropout | None = None):
+    """Forward of one tile: scores, score_mod, (mask_mod), online softmax (with dropout on P)."""
     s = apply_score(mods, dot_nt(q, k) * scale, t, score_in)
     if masked:
         s = jnp.where(allowed(mods, t, mask_in), s, -jnp.inf)
-    return softmax_step(carry, s, v)
+    return softmax_step(carry, s, v, None if drop is None else drop.keep(t))
 
 
 def _is_float(x) -> bool:
@@ -128,7 +161,8 @@ class TileGrads:
     """Backward of one tile.
 
     Attributes:
-      p: probabilities (tq, tk), float32.
+      p: the probabilities that multiply V (tq, tk), float32: P, or under dropout
+        P * keep / (1 - rate).
       ds: gradient of the raw scores q·k*scale (tq, tk), float32 (before the scale).
       rows, cols: gradients of the score_mod's float row/col tiles (None for others).
       reads: per array read of the score_mod: (array index, clamped indices, gradient
@@ -143,8 +177,12 @@ class TileGrads:
 
 
 def backward_tile(mods, q, k, v, do, lse, delta, t: Tile, scale, masked: bool,
-                  score_in: ModInputs, mask_in: ModInputs, *, qk=None, dov=None) -> TileGrads:
+                  score_in: ModInputs, mask_in: ModInputs, *, qk=None, dov=None,
+                  drop: Dropout | None = None) -> TileGrads:
     """Recomputes P of one tile and pushes dS through the score_mod's VJP.
+
+    Under dropout (``drop``) the tile's keep mask is regenerated: dP = dO Vᵀ * keep /
+    (1 - rate) and dS = P (dP - delta), with delta from the dropped output.
 
     ``lse`` and ``delta`` are (tq, 1) float32 with -inf lse already replaced by 0.
     ``qk`` and ``dov``: q·kᵀ and dO·vᵀ (tq, tk) float32 when the caller forms them itself
@@ -179,15 +217,20 @@ def backward_tile(mods, q, k, v, do, lse, delta, t: Tile, scale, masked: bool,
     if masked:
         p = jnp.where(ok, p, 0.0)
     dp = dot_nt(do, v) if dov is None else dov
+    pv = p
+    if drop is not None:
+        keep = drop.keep(t)
+        pv = jnp.where(keep, p * drop.inv_keep, 0.0)
+        dp = jnp.where(keep, dp * drop.inv_keep, 0.0)
     ds = p * (dp - delta)
     if sm is None:
-        return TileGrads(p, ds, (), (), ())
+        return TileGrads(pv, ds, (), (), ())
     ds_raw, d_rows, d_cols, d_reads = vjp(ds)
     it_r, it_c, it_l = iter(d_rows), iter(d_cols), iter(d_reads)
     rows = tuple(next(it_r) if _is_float(x) else None for x in score_in.rows)
     cols = tuple(next(it_c) if _is_float(x) else None for x in score_in.cols)
     grads = tuple((kk, idx, next(it_l) if _is_float(val) else None) for kk, idx, val in reads)
-    return TileGrads(p, ds_raw, rows, cols, grads)
+    return TileGrads(pv, ds_raw, rows, cols, grads)
 
 
 def onehot_partial(flat_idx, grad, start, size):

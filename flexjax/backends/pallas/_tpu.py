@@ -10,7 +10,8 @@ both q_idx and kv_idx, except along the diagonal ``kv_idx - q_idx``: such values
 as one vector per (b, h) over the diagonals (``_layout.DiagWindow``), and a tile is the
 Toeplitz block of one contiguous slice, built by a strided lane rotation (``diag_tile``).
 Their gradient is that rotation's transpose, summed over rows, accumulated per (b, h)
-across the dQ kernel's q tiles in a resident output block.
+across the dQ kernel's q tiles in a resident output block. With dropout the (2,) uint32
+seed is the last input, a whole array in SMEM (libtpu compiles the uint32 hash on v5e).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._layout import DiagWindow, Geom, Prologue, diag_window, is_float
-from ._tile import ModInputs, Mods, backward_tile, dot, dot_tn, finish, forward_tile, tile_indices
+from ._tile import Dropout, ModInputs, Mods, backward_tile, dot, dot_tn, finish, forward_tile, tile_indices
 
 
 def _lists_at(g: Geom, refs, b, h, row, t):
@@ -131,6 +132,21 @@ def _pro_args(pro: Prologue):
     return (*pro.rows, *pro.cols, *pro.diags)
 
 
+def _seed(seed, rate: float):
+    """(in_specs, operands) of the dropout seed: a (2,) whole array in SMEM (int32, the hash's
+    type), after the mods'."""
+    if not rate:
+        return [], ()
+    return [pl.BlockSpec(memory_space=pltpu.SMEM)], (jax.lax.bitcast_convert_type(seed, jnp.int32),)
+
+
+def _dropout(it, rate: float):
+    if not rate:
+        return None
+    seed_ref = next(it)
+    return Dropout(rate, (seed_ref[0], seed_ref[1]))
+
+
 def _params(n_parallel: int):
     return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_parallel + ("arbitrary",) * (4 - n_parallel))
 
@@ -141,11 +157,12 @@ def _tile(g: Geom, b, h, q_start, kv_start):
 
 # -- forward ---------------------------------------------------------------------------------
 
-def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros):
+def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, rate: float):
     it = iter(refs)
     lists = tuple(next(it) for _ in range(4))
     q_ref, k_ref, v_ref = next(it), next(it), next(it)
     s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
+    drop = _dropout(it, rate)
     o_ref, max_ref, sum_ref, m_sc, l_sc, acc_sc = it
     b, h, i, t = (pl.program_id(a) for a in range(4))
     blk, partial, active = _lists_at(g, lists, b, h, i, t)
@@ -161,7 +178,7 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros):
         tile = _tile(g, b, h, q_start, kv_start)
         carry = forward_tile(mods, (m_sc[...], l_sc[...], acc_sc[...]), q_ref[...], k_ref[...], v_ref[...], tile,
                              scale, masked, _inputs(s_refs, g, q_start, kv_start),
-                             _inputs(m_refs, g, q_start, kv_start))
+                             _inputs(m_refs, g, q_start, kv_start), drop)
         m_sc[...], l_sc[...], acc_sc[...] = carry
 
     pl.when(partial)(lambda: step(True))
@@ -169,14 +186,14 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, pros):
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
-        out, row_max, row_sum = finish((m_sc[...], l_sc[...], acc_sc[...]))
+        out, row_max, row_sum = finish((m_sc[...], l_sc[...], acc_sc[...]), drop)
         o_ref[...] = out.astype(o_ref.dtype)
         max_ref[...] = row_max
         sum_ref[...] = row_sum
 
 
 def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue, *,
-            target, interpret: bool, warps=None, stages=None):
+            target, interpret: bool, warps=None, stages=None, rate: float = 0.0, seed=None):
     """Same contract as the GPU template's ``forward`` (inputs in (B, seq, heads, dim))."""
     del target, warps, stages
     G = g.G
@@ -201,29 +218,32 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
     in_specs = [q_spec, pl.BlockSpec((None, None, g.tk, D), kv_map), pl.BlockSpec((None, None, g.tk, Dv), kv_map)]
     in_specs += (_mod_specs(mods.score, s_pro, g, row_map, col_map, bh_map)
                  + _mod_specs(mods.mask, m_pro, g, row_map, col_map, bh_map))
+    seed_specs, seed_args = _seed(seed, rate)
+    in_specs += seed_specs
     vec_spec = pl.BlockSpec((None, None, g.tq, 1), lambda b, h, i, t, *_: (b, h, i, 0))
     out_specs = [pl.BlockSpec((None, None, g.tq, Dv), lambda b, h, i, t, *_: (b, h, i, 0)), vec_spec, vec_spec]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4, grid=(g.B, g.Hq, g.sq // g.tq, nsteps), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((g.tq, 1), jnp.float32), pltpu.VMEM((g.tq, 1), jnp.float32),
                         pltpu.VMEM((g.tq, Dv), jnp.float32)])
-    kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro))
+    kernel = functools.partial(_fwd_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro), rate=rate)
     vec = jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32)
     out, row_max, row_sum = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, Dv), q.dtype), vec, vec],
         compiler_params=_params(3), interpret=interpret, name="flexjax_fwd",
-    )(*L, qt, kt, vt, *_pro_args(s_pro), *_pro_args(m_pro))
+    )(*L, qt, kt, vt, *_pro_args(s_pro), *_pro_args(m_pro), *seed_args)
     return jnp.swapaxes(out, 1, 2), row_max, row_sum
 
 
 # -- backward --------------------------------------------------------------------------------
 
-def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_drows: int, n_ddiags: int):
+def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_drows: int, n_ddiags: int, rate: float):
     it = iter(refs)
     lists = tuple(next(it) for _ in range(4))
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
     s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
+    drop = _dropout(it, rate)
     dq_ref = next(it)
     drow_refs = tuple(next(it) for _ in range(n_drows))
     # Resident across the q tiles and steps of one (b, h): diagonals gather from every q tile.
@@ -251,7 +271,7 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_drows: int, n_d
         q_start, kv_start = i * g.tq, blk * g.tk
         tg = backward_tile(mods, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
                            _tile(g, b, h, q_start, kv_start), scale, masked, _inputs(s_refs, g, q_start, kv_start),
-                           _inputs(m_refs, g, q_start, kv_start))
+                           _inputs(m_refs, g, q_start, kv_start), drop=drop)
         dq_sc[...] += dot(tg.ds.astype(k.dtype), k)
         for sc, d in zip(drow_sc, [d for d in tg.rows[:n_rows] if d is not None]):
             sc[...] += d
@@ -269,11 +289,12 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_drows: int, n_d
             ref[...] = sc[...]
 
 
-def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_dcols: int, nq: int):
+def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_dcols: int, nq: int, rate: float):
     it = iter(refs)
     lists = tuple(next(it) for _ in range(4))
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
     s_refs, m_refs = _split_mod_refs(it, pros[0]), _split_mod_refs(it, pros[1])
+    drop = _dropout(it, rate)
     dk_ref, dv_ref = next(it), next(it)
     dcol_refs = tuple(next(it) for _ in range(n_dcols))
     dk_sc, dv_sc = it
@@ -297,7 +318,7 @@ def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_dcols: int, nq
         q_start, kv_start = blk * g.tq, j * g.tk
         tg = backward_tile(mods, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...],
                            _tile(g, b, h, q_start, kv_start), scale, masked, _inputs(s_refs, g, q_start, kv_start),
-                           _inputs(m_refs, g, q_start, kv_start))
+                           _inputs(m_refs, g, q_start, kv_start), drop=drop)
         dv_sc[...] += dot_tn(tg.p.astype(do.dtype), do)
         dk_sc[...] += dot_tn(tg.ds.astype(q.dtype), q)
         for ref, d in zip(dcol_refs, [d for d in tg.cols if d is not None]):
@@ -313,7 +334,7 @@ def _dkv_kernel(*refs, g: Geom, mods: Mods, scale: float, pros, n_dcols: int, nq
 
 
 def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: Prologue, m_pro: Prologue, *,
-             target, interpret: bool, warps=None, stages=None):
+             target, interpret: bool, warps=None, stages=None, rate: float = 0.0, seed=None):
     """Same contract as the GPU template's ``backward``; ``d_rows`` continues with one
     (B, Hq, 1, diag_window(g).size) gradient per float diagonal value (None for others)."""
     del target, warps, stages
@@ -324,7 +345,8 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     float_rows = [is_float(r) for r in s_pro.rows]
     float_cols = [is_float(c) for c in s_pro.cols]
     float_diags = [is_float(d) for d in s_pro.diags]
-    pro_args = (*_pro_args(s_pro), *_pro_args(m_pro))
+    seed_specs, seed_args = _seed(seed, rate)
+    pro_args = (*_pro_args(s_pro), *_pro_args(m_pro), *seed_args)
     win = diag_window(g)
 
     # dQ: grid (b, h, q tile, step over the kv list).
@@ -346,7 +368,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     in_specs = [q_block(D), pl.BlockSpec((None, None, g.tk, D), kv_map), pl.BlockSpec((None, None, g.tk, Dv), kv_map),
                 q_block(Dv), q_block(1), q_block(1)]
     in_specs += (_mod_specs(mods.score, s_pro, g, row_map, col_map, bh_map)
-                 + _mod_specs(mods.mask, m_pro, g, row_map, col_map, bh_map))
+                 + _mod_specs(mods.mask, m_pro, g, row_map, col_map, bh_map) + seed_specs)
     out_specs = [q_block(D)] + [q_block(1) for f in float_rows if f]
     out_specs += [pl.BlockSpec((None, None, 1, win.size), lambda b, h, i, t, *_: (b, h, 0, 0))
                   for f in float_diags if f]
@@ -358,7 +380,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
         scratch_shapes=[pltpu.VMEM((g.tq, D), jnp.float32)] + [pltpu.VMEM((g.tq, 1), jnp.float32)
                                                                for f in float_rows if f])
     kernel = functools.partial(_dq_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro), n_drows=sum(float_rows),
-                               n_ddiags=sum(float_diags))
+                               n_ddiags=sum(float_diags), rate=rate)
     # Diagonal gradients accumulate over the q tiles of a (b, h), so those run in order.
     dq, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape,
                                compiler_params=_params(2 if any(float_diags) else 3),
@@ -369,6 +391,8 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     d_rows += tuple(next(it) if f else None for f in float_diags)
 
     # dK/dV: grid (b, kv head, kv tile, step over (query head of the group, q list)).
+    nq = lists[5].shape[-1]  # steps per query head: the q lists' width (compact lists: not the q tiles)
+
     def q_map(b, kvh, j, t, *refs):
         h = kvh * G + t // nq
         return (b, h, _lists_at(g, refs, b, h, j, t % nq)[0], 0)
@@ -390,7 +414,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
                 pl.BlockSpec((None, None, g.tq, Dv), q_map), pl.BlockSpec((None, None, g.tq, 1), q_map),
                 pl.BlockSpec((None, None, g.tq, 1), q_map)]
     in_specs += (_mod_specs(mods.score, s_pro, g, row_map_t, col_map_t, bh_map_t)
-                 + _mod_specs(mods.mask, m_pro, g, row_map_t, col_map_t, bh_map_t))
+                 + _mod_specs(mods.mask, m_pro, g, row_map_t, col_map_t, bh_map_t) + seed_specs)
     out_specs = [kv_block(D), kv_block(Dv)] + [
         pl.BlockSpec((None, None, 1, g.tk), lambda b, kvh, j, t, *_: (b, kvh * G + t // nq, 0, j))
         for f in float_cols if f]
@@ -400,7 +424,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
         num_scalar_prefetch=4, grid=(g.B, g.Hkv, nk, G * lists[5].shape[-1]), in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=[pltpu.VMEM((g.tk, D), jnp.float32), pltpu.VMEM((g.tk, Dv), jnp.float32)])
     kernel = functools.partial(_dkv_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro),
-                               n_dcols=sum(float_cols), nq=lists[5].shape[-1])
+                               n_dcols=sum(float_cols), nq=lists[5].shape[-1], rate=rate)
     dk, dv, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, compiler_params=_params(3),
                                    interpret=interpret, name="flexjax_bwd_dkv",
                                    )(*lists[4:], qt, kt, vt, dot_, lse, delta, *pro_args)

@@ -24,6 +24,8 @@ from ..pallas._tile import Mods
 from . import _codegen, _kernels, _launch, _templates
 
 NAME = "triton"
+# Fused: the keep mask is hashed tile by tile in the kernels (flexjax._dropout).
+SUPPORTS_DROPOUT = True
 
 _TARGETS = ("cuda",)
 
@@ -220,13 +222,13 @@ def _missing_modules(interpret: bool) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(score, mask, grads: bool):
+def _plan(score, mask, grads: bool, dropout: bool = False):
     """The compiled mods, the template plan and its source (the codegen raises NotImplementedError)."""
     cms = Mods(score=compile_mod(score, "triton") if score is not None else None,
                mask=compile_mod(mask, "triton") if mask is not None else None)
     plan = _templates.Plan(score=_codegen.generate(cms.score, prefix="score") if cms.score is not None else None,
                            mask=_codegen.generate(cms.mask, prefix="mask") if cms.mask is not None else None,
-                           grads=grads and cms.score is not None)
+                           grads=grads and cms.score is not None, dropout=dropout)
     return cms, plan, _templates.source(plan)
 
 
@@ -301,29 +303,57 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     return g, lists, qp, kp, vp
 
 
-def forward(spec, q, k, v, score_consts, mask_consts, lists):
+def _dropout_args(spec, dropout_seed) -> dict:
+    """The kernels' dropout keywords: none at rate 0 (the plan, and so the source, is then the plain one)."""
+    rate = spec.dropout_rate
+    if not rate:
+        return {}
+    if dropout_seed is None:
+        raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
+    return {"rate": rate, "seed": dropout_seed}
+
+
+def row_stats(lse, residuals):
+    """(row max, log of the row sum) of the forward, each (B, Hq, Sq) float32.
+
+    The max is that of the row's modified, allowed scores (-inf on a row with no allowed
+    key); the sum is of exp(s - max), undropped (0 on such rows, so its log is set to 0).
+    """
+    del lse
+    row_max, row_sum = residuals
+    alive = row_sum > 0
+    return jnp.where(alive, row_max, -jnp.inf), jnp.where(alive, jnp.log(jnp.where(alive, row_sum, 1.0)), 0.0)
+
+
+def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
     """out (B, Sq, Hq, Dv) in the query's dtype and lse (B, Hq, Sq) float32."""
-    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
     return out, lse
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists):
-    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32."""
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32.
+
+    ``dropout_seed``: (2,) uint32 when ``spec.dropout_rate`` > 0 (the statistics are those
+    of the undropped probabilities).
+    """
     o = _resolve(spec, q.shape[-1], q.dtype)
-    mods, plan, source = _plan(spec.score, spec.mask, False)
+    mods, plan, source = _plan(spec.score, spec.mask, False, bool(spec.dropout_rate))
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
-                                             _run(spec, o, backward=False))
+                                             _run(spec, o, backward=False), **_dropout_args(spec, dropout_seed))
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq], row_sum[:, :, :Sq]
     return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
 
 
-def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals):
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
+             dropout_seed=None):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
-    ``residuals``: the (row max, row sum) of ``forward_with_residuals``. Rows with a huge
+    ``residuals``: the (row max, row sum) of ``forward_with_residuals``; ``dropout_seed`` the
+    forward's (the kernels regenerate its keep mask). Rows with a huge
     max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which gives
     P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS = P (dP - delta)
     come out exact. The row / column / array-read gradients are only reduced when a
@@ -331,7 +361,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """
     o = _resolve(spec, q.shape[-1], q.dtype)
     wanted = any(grad_consts)
-    mods, plan, source = _plan(spec.score, spec.mask, wanted)
+    mods, plan, source = _plan(spec.score, spec.mask, wanted, bool(spec.dropout_rate))
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     B, Sq, Hq, D = q.shape
@@ -342,7 +372,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
     dq, dk, dv, d_rows, d_cols, d_arrays = _kernels.backward(
         plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
-        _run(spec, o, backward=True))
+        _run(spec, o, backward=True), **_dropout_args(spec, dropout_seed))
     dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if plan.grads
               else tuple(None for _ in score_consts))
     return dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore

@@ -7,7 +7,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from ... import _dropout
 from ..pallas._layout import Geom, Prologue, is_float
 from . import _templates
 from ._launch import launch
@@ -55,6 +57,15 @@ def _pro_consts(pro: Prologue, p: str) -> dict:
     return out
 
 
+def _dropout_args(plan: Plan, rate: float, seed) -> tuple[dict, dict]:
+    """(args, constexprs) of dropout: the seed bitcast to int32 (a plain integer operand on
+    every path), the uint32 threshold and 1 / (1 - rate)."""
+    if not plan.dropout:
+        return {}, {}
+    seed = lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32).reshape(2), jnp.int32)
+    return {"SEED": seed}, {"DROP_T": _dropout.threshold(rate), "DROP_INV": 1.0 / (1.0 - rate)}
+
+
 def _lists(n, idx):
     # A list of width 0 (no tile of that kind anywhere) still gets a pointer to a valid entry.
     if idx.shape[-1] == 0:
@@ -72,15 +83,17 @@ def _common(g: Geom, scale: float, D: int, Dv: int, n_idx, idx, f_idx, s_pro, m_
 
 
 def forward(plan: Plan, source: str, g: Geom, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue,
-            run: Launch):
+            run: Launch, rate: float = 0.0, seed=None):
     """q (B, sq, Hq, D), k/v (B, skv, Hkv, .) padded; returns out (B, sq, Hq, Dv) and each row's
-    max and sum (B, Hq, sq) float32 (max 0 on empty rows)."""
+    max and sum (B, Hq, sq) float32 (max 0 on empty rows). With ``plan.dropout``, ``rate`` and
+    the (2,) uint32 ``seed`` of the mask."""
     kv_n, kv_i = _lists(*lists[0:2])
     fkv_n, fkv_i = _lists(*lists[2:4])
     D, Dv = q.shape[-1], v.shape[-1]
-    consts = _common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype)
+    drop_args, drop_consts = _dropout_args(plan, rate, seed)
+    consts = {**_common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype), **drop_consts}
     args = {"KV_N": kv_n, "KV_I": kv_i, "FKV_N": fkv_n, "FKV_I": fkv_i, "Q": q, "K": k, "V": v,
-            **_pro_args(s_pro, "S"), **_pro_args(m_pro, "M")}
+            **_pro_args(s_pro, "S"), **_pro_args(m_pro, "M"), **drop_args}
     vec = jax.ShapeDtypeStruct((g.B, g.Hq, g.sq), jnp.float32)
     out_shapes = [jax.ShapeDtypeStruct((g.B, g.sq, g.Hq, Dv), q.dtype), vec, vec]
     out, row_max, row_sum = _call(source, _templates.FWD, _templates.fwd_params(plan), args, out_shapes,
@@ -89,7 +102,7 @@ def forward(plan: Plan, source: str, g: Geom, scale, q, k, v, lists, s_pro: Prol
 
 
 def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, lists, s_pro: Prologue,
-             m_pro: Prologue, run: Launch):
+             m_pro: Prologue, run: Launch, rate: float = 0.0, seed=None):
     """Padded inputs as in ``forward``; lse (-inf replaced by 0) and delta (B, Hq, sq) float32.
 
     Returns dq, dk, dv (padded) and, when ``plan.grads``, the score_mod's gradients: per row
@@ -97,14 +110,15 @@ def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, l
     flat-shaped gradient (None for non-float ones); else three tuples of None.
     """
     D, Dv = q.shape[-1], v.shape[-1]
+    drop_args, drop_consts = _dropout_args(plan, rate, seed)
     common = {"Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta, **_pro_args(s_pro, "S"),
-              **_pro_args(m_pro, "M")}
+              **_pro_args(m_pro, "M"), **drop_args}
     nq, nk = g.sq // g.tq, g.skv // g.tk
 
     # dQ, and the row and array-read gradients.
     kv_n, kv_i = _lists(*lists[0:2])
     fkv_n, fkv_i = _lists(*lists[2:4])
-    consts = _common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype)
+    consts = {**_common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype), **drop_consts}
     consts.update(NBH=g.B * g.Hq, CHUNK=run.chunk)
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if plan.grads:
@@ -121,7 +135,7 @@ def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, l
     # dK/dV, and the column gradients.
     q_n, q_i = _lists(*lists[4:6])
     fq_n, fq_i = _lists(*lists[6:8])
-    consts = _common(g, scale, D, Dv, q_n, q_i, fq_i, s_pro, m_pro, q.dtype)
+    consts = {**_common(g, scale, D, Dv, q_n, q_i, fq_i, s_pro, m_pro, q.dtype), **drop_consts}
     out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if plan.grads:
         out_shapes += [jax.ShapeDtypeStruct((g.B, g.Hq, g.skv), jnp.float32) for _ in plan.float_cols]

@@ -13,13 +13,16 @@ full tile lists with an online softmax (the semantics of ``pallas._tile``). Back
 (FlashAttention-2, https://arxiv.org/abs/2307.08691): a dQ kernel over the same lists,
 which also reduces the score_mod's row and array-read gradients; a dK/dV kernel per (kv
 tile, batch x kv head) over the transposed lists and the G query heads of its group (K/V
-are never copied per query head), which also reduces the column gradients.
+are never copied per query head), which also reduces the column gradients. With dropout
+(``Plan.dropout``) each kernel hashes its tiles' keep mask from ``SEED`` (``flexjax_fmix``,
+the hash of ``flexjax._dropout``): row hashes per q tile, column hashes per kv tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ... import _dropout
 from ._codegen import GeneratedMod
 
 FWD, DQ, DKV = "flexjax_fwd", "flexjax_dq", "flexjax_dkv"
@@ -33,11 +36,14 @@ class Plan:
       score, mask: the generated mods (None when absent).
       grads: whether the backward reduces the score_mod's row / column / array-read
         gradients (only when a captured float array is differentiated).
+      dropout: whether the kernels drop probabilities (rate > 0); the rate itself is a
+        constexpr (``DROP_T``, ``DROP_INV``), the seed an input (``SEED``).
     """
 
     score: GeneratedMod | None
     mask: GeneratedMod | None
     grads: bool = False
+    dropout: bool = False
 
     @property
     def float_rows(self) -> tuple[int, ...]:
@@ -80,11 +86,12 @@ def fwd_params(plan: Plan) -> tuple[list[str], list[str], list[str]]:
 
 
 def _mod_pointers(plan: Plan) -> list[str]:
-    return mod_pointers(plan.score, "S") + mod_pointers(plan.mask, "M")
+    return mod_pointers(plan.score, "S") + mod_pointers(plan.mask, "M") + (["SEED"] if plan.dropout else [])
 
 
 def _mod_consts(plan: Plan) -> list[str]:
-    return _COMMON + mod_constexprs(plan.score, "S") + mod_constexprs(plan.mask, "M")
+    return (_COMMON + mod_constexprs(plan.score, "S") + mod_constexprs(plan.mask, "M")
+            + (["DROP_T", "DROP_INV"] if plan.dropout else []))
 
 
 def _bwd_ins(plan: Plan, lists: str) -> list[str]:
@@ -128,7 +135,8 @@ def _red(op: str, expr: str, axis: int) -> str:
 
 
 class _Lines:
-    def __init__(self):
+    def __init__(self, plan: Plan):
+        self.plan = plan
         self.lines: list[str] = []
 
     def __call__(self, indent: int, *lines: str):
@@ -162,6 +170,46 @@ def _call(gm: GeneratedMod, fn: str, lead: str, p: str, tail: str = "") -> str:
     return f"{fn}({args})"
 
 
+# The dropout hash of ``flexjax._dropout``, spelled in Triton on uint32: ``>>`` on an
+# unsigned tensor is a logical shift and products wrap mod 2**32, as in jnp (the literals
+# above 2**31 are uint32 constants, so every operand stays unsigned).
+_FMIX = f"""@triton.jit
+def flexjax_fmix(x):
+    x = x ^ (x >> 16)
+    x = x * {_dropout._M1:#x}
+    x = x ^ (x >> 13)
+    x = x * {_dropout._M2:#x}
+    return x ^ (x >> 16)"""
+
+
+def _seed_lines(plan: Plan) -> list[str]:
+    """The seed's two words as uint32 scalars (``SEED`` holds them bitcast to int32)."""
+    if not plan.dropout:
+        return []
+    return ["seed0 = tl.load(SEED).to(tl.uint32, bitcast=True)",
+            "seed1 = tl.load(SEED + 1).to(tl.uint32, bitcast=True)"]
+
+
+def _row_hash_lines(plan: Plan) -> list[str]:
+    """``drow`` [TQ, 1]: ``_dropout.row_hash`` of (b, h, q_idx)."""
+    if not plan.dropout:
+        return []
+    return ["drow = flexjax_fmix(q_idx.to(tl.uint32) ^ seed1)",
+            "drow = flexjax_fmix(h.to(tl.uint32) + drow)",
+            "drow = flexjax_fmix(b.to(tl.uint32) + drow)",
+            "drow = flexjax_fmix(seed0 ^ drow)"]
+
+
+def _col_hash_lines(plan: Plan) -> list[str]:
+    """``dcol`` [1, TK]: ``_dropout.col_hash`` of kv_idx."""
+    if not plan.dropout:
+        return []
+    return [f"dcol = flexjax_fmix((kv_idx.to(tl.uint32) * {_dropout._GOLDEN:#x}) ^ seed1)"]
+
+
+_KEEP = "keep = flexjax_fmix(drow ^ dcol) >= DROP_T"
+
+
 def _mask_lines(plan: Plan) -> list[str]:
     """``ok``: the in-range test and the mask_mod, for a partial tile."""
     lines = ["ok = q_in & (offs_k < KV_LEN)[None, :]"]
@@ -178,6 +226,7 @@ def _kv_tile(lines: _Lines, ind: int):
           "kv_off = (b.to(tl.int64) * SKV + kv_start) * HKV + kvh",
           "k = tl.load(K + kv_off * D + ar_k[:, None] * (HKV * D) + ar_d[None, :])",
           "v = tl.load(V + kv_off * DV + ar_k[:, None] * (HKV * DV) + ar_dv[None, :])")
+    lines(ind, *_col_hash_lines(lines.plan))
 
 
 def _q_tile(lines: _Lines, ind: int, do: bool):
@@ -188,6 +237,7 @@ def _q_tile(lines: _Lines, ind: int, do: bool):
           "q_in = (offs_q < Q_LEN)[:, None]",
           "q_off = (b.to(tl.int64) * SQ + q_start) * HQ + h",
           "q = tl.load(Q + q_off * D + ar_q[:, None] * (HQ * D) + ar_d[None, :])")
+    lines(ind, *_row_hash_lines(lines.plan))
     if do:
         lines(ind,
               "do = tl.load(DO + q_off * DV + ar_q[:, None] * (HQ * DV) + ar_dv[None, :])",
@@ -211,13 +261,14 @@ def _common_head(lines: _Lines):
           "ar_q = tl.arange(0, TQ)",
           "ar_k = tl.arange(0, TK)",
           "ar_d = tl.arange(0, D)",
-          "ar_dv = tl.arange(0, DV)")
+          "ar_dv = tl.arange(0, DV)",
+          *_seed_lines(lines.plan))
 
 
 # -- forward -----------------------------------------------------------------------------------
 
 def _fwd(plan: Plan) -> str:
-    lines = _Lines()
+    lines = _Lines(plan)
     lines.lines += _signature(FWD, fwd_params(plan))
     lines(1,
           "i = tl.program_id(0)",
@@ -252,7 +303,12 @@ def _fwd(plan: Plan) -> str:
                   "m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
                   "p = tl.exp(s - m_use[:, None])",
                   "alpha = tl.exp(m_i - m_use)",
-                  f"l_i = l_i * alpha + {_red('sum', 'p', 1)}",
+                  f"l_i = l_i * alpha + {_red('sum', 'p', 1)}")
+            if plan.dropout:
+                # The row statistics are of all probabilities; V takes the kept ones (the
+                # 1 / (1 - rate) is applied once, to the output).
+                lines(ind, _KEEP, "p = tl.where(keep, p, 0.0)")
+            lines(ind,
                   "acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)",
                   "m_i = m_new")
 
@@ -264,7 +320,7 @@ def _fwd(plan: Plan) -> str:
     # |max| ~ 1e30, float32 lse has lost log(sum), which the backward needs.
     lines(1,
           "alive = l_i > 0",
-          "out = acc / tl.where(alive, l_i, 1.0)[:, None]",
+          "out = acc / tl.where(alive, l_i, 1.0)[:, None]" + (" * DROP_INV" if plan.dropout else ""),
           "tl.store(OUT + q_off * DV + ar_q[:, None] * (HQ * DV) + ar_dv[None, :], out.to(OUT.dtype.element_ty))",
           "st = (b * HQ + h).to(tl.int64) * SQ + offs_q",
           "tl.store(ROW_MAX + st, tl.where(alive, m_i, 0.0))",
@@ -284,16 +340,20 @@ def _bwd_tile(lines: _Lines, ind: int, plan: Plan, masked: bool):
     lines(ind, "p = tl.exp(s - lse[:, None])")
     if masked:
         lines(ind, *_col_loads(plan.mask, "M"), *_mask_lines(plan), "p = tl.where(ok, p, 0.0)")
-    lines(ind,
-          "dp = tl.dot(do, tl.trans(v), input_precision=PREC)",
-          "ds = p * (dp - delta[:, None])")
+    lines(ind, "dp = tl.dot(do, tl.trans(v), input_precision=PREC)")
+    if plan.dropout:
+        # pv: what multiplies dO in dV; dP only reaches the kept probabilities.
+        lines(ind, _KEEP,
+              "pv = tl.where(keep, p * DROP_INV, 0.0)",
+              "dp = tl.where(keep, dp * DROP_INV, 0.0)")
+    lines(ind, "ds = p * (dp - delta[:, None])")
     if plan.score is not None:
         lines(ind, "g = " + _call(plan.score, plan.score.bwd, "s_raw, b, h, q_idx, kv_idx", "S", "ds"),
               "ds = g[0]")
 
 
 def _dq(plan: Plan) -> str:
-    lines = _Lines()
+    lines = _Lines(plan)
     lines.lines += _signature(DQ, dq_params(plan))
     lines(1,
           "i = tl.program_id(0)",
@@ -355,7 +415,7 @@ def _dq(plan: Plan) -> str:
 
 
 def _dkv(plan: Plan) -> str:
-    lines = _Lines()
+    lines = _Lines(plan)
     lines.lines += _signature(DKV, dkv_params(plan))
     lines(1,
           "j = tl.program_id(0)",
@@ -385,7 +445,7 @@ def _dkv(plan: Plan) -> str:
             lines(ind, *_row_loads(gm, "S"), *(_row_loads(plan.mask, "M") if masked else []))
             _bwd_tile(lines, ind, plan, masked)
             lines(ind,
-                  "dv = dv + tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)",
+                  f"dv = dv + tl.dot(tl.trans({'pv' if plan.dropout else 'p'}.to(do.dtype)), do, input_precision=PREC)",
                   "dk = dk + tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)")
             if plan.grads:
                 for pos, k in enumerate(plan.float_cols):
@@ -407,5 +467,6 @@ def source(plan: Plan) -> str:
     """The module: imports, the mods' functions, and the forward, dQ and dK/dV kernels."""
     parts = ["import triton\nimport triton.language as tl"]
     parts += [gm.source.strip("\n") for gm in (plan.score, plan.mask) if gm is not None]
+    parts += [_FMIX] if plan.dropout else []
     parts += [_fwd(plan), _dq(plan), _dkv(plan)]
     return "\n\n\n".join(parts) + "\n"

@@ -1,0 +1,178 @@
+"""Decode-step benchmark: flex decoding against dense attention, contiguous and paged caches.
+
+One decode step (one query per sequence at the end of a cache of length L) for B=4,
+Hq=32, Hkv=8, D=128, causal or sliding window 4096, through the cache idiom (a block
+mask built once for L x L, ``flexjax.paged.decode_block_mask`` per step). Reports
+milliseconds, tokens per second, bytes of K/V the step must read per second, and that
+rate over the machine's memory bandwidth measured in the same run (a large jnp
+reduction): decoding is bandwidth-bound, so the ratio is the figure of merit.
+
+    .venv/bin/python benchmarks/bench_decode.py                      # the whole table
+    .venv/bin/python benchmarks/bench_decode.py --lengths 16384 --dtypes float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flexjax
+from benchmarks import specs as S
+from flexjax import masks, paged
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """One decode-step shape.
+
+    Attributes:
+      L: cache length (the query sits at position L - 1).
+      mask: "causal" or "sliding_window" (``window`` keys back).
+      dtype: "float32" or "bfloat16".
+      B, Hq, Hkv, D: batch, query heads, kv heads, head dim.
+      page_size: page size of the paged run.
+    """
+
+    L: int
+    mask: str
+    dtype: str
+    window: int = 4096
+    B: int = 4
+    Hq: int = 32
+    Hkv: int = 8
+    D: int = 128
+    page_size: int = 256
+
+    @property
+    def name(self) -> str:
+        m = "causal" if self.mask == "causal" else f"window{self.window}"
+        return f"decode_{m}_{self.L // 1024}k_{self.dtype}"
+
+    def keys_read(self) -> int:
+        """Keys per sequence the step needs (the window or the whole prefix)."""
+        return min(self.L, self.window + 1) if self.mask == "sliding_window" else self.L
+
+    def kv_bytes(self) -> int:
+        return self.B * self.keys_read() * self.Hkv * 2 * self.D * jnp.dtype(self.dtype).itemsize
+
+
+SPECS = [DecodeSpec(L, m, dt) for dt in ("float32", "bfloat16") for L in (4096, 16384, 65536)
+         for m in ("causal", "sliding_window")]
+
+
+def mask_mod(spec: DecodeSpec):
+    return masks.causal if spec.mask == "causal" else masks.sliding_window(spec.window)
+
+
+def bandwidth_probe(nbytes: int = 1 << 30):
+    """A call reading ``nbytes`` (a large float32 reduction) and its byte count."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x.sum())
+    return (lambda: f(x)), nbytes
+
+
+def _once(call) -> float:
+    """Milliseconds of one synchronized call."""
+    return S.measure(call, jax.block_until_ready, warmup=0, min_runs=1, max_runs=1, min_time=0.0)["median_ms"]
+
+
+def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int) -> dict:
+    B, L, Hq, Hkv, D = spec.B, spec.L, spec.Hq, spec.Hkv, spec.D
+    dt = jnp.dtype(spec.dtype)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, 1, Hq, D), dt)
+    k = jax.random.normal(ks[1], (B, L, Hkv, D), dt)
+    v = jax.random.normal(ks[2], (B, L, Hkv, D), dt)
+    pos = jnp.full((B,), L - 1, jnp.int32)
+    bm = flexjax.create_block_mask(mask_mod(spec), None, None, L, L)
+
+    @jax.jit
+    def flex(q, k, v, pos):
+        return flexjax.flex_attention(q, k, v, block_mask=paged.decode_block_mask(bm, pos))
+
+    rec = {"spec": spec.name, "L": L, "mask": spec.mask, "dtype": spec.dtype, "kv_bytes": spec.kv_bytes()}
+    probe, probe_bytes = bandwidth_probe()
+    calls = {"bandwidth": probe, "flex": lambda: flex(q, k, v, pos)}
+    out = flex(q, k, v, pos)
+    if dense:
+        @jax.jit
+        def dpa(q, k, v, pos):
+            kv = jnp.arange(L)
+            ok = kv[None, :] <= pos[:, None]
+            if spec.mask == "sliding_window":
+                ok &= kv[None, :] >= pos[:, None] - spec.window
+            return jax.nn.dot_product_attention(q, k, v, mask=ok[:, None, None, :])
+
+        want = dpa(q, k, v, pos)
+        rec["dense_max_err"] = float(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)).max())
+        calls["dense"] = lambda: dpa(q, k, v, pos)
+    if paged_too:
+        ps = spec.page_size
+        table = jnp.asarray(paged.page_table_for(np.full(B, L), ps, L // ps, seed=0))
+        k_pages = jnp.zeros((B * L // ps, ps, Hkv, D), dt).at[table].set(k.reshape(B, L // ps, ps, Hkv, D))
+        v_pages = jnp.zeros((B * L // ps, ps, Hkv, D), dt).at[table].set(v.reshape(B, L // ps, ps, Hkv, D))
+
+        @jax.jit
+        def flex_paged(q, k_pages, v_pages, table, pos):
+            step_bm = paged.decode_block_mask(bm, pos)
+            return paged.flex_attention(q, k_pages, v_pages, table, pos + 1, block_mask=step_bm)
+
+        got = flex_paged(q, k_pages, v_pages, table, pos)
+        rec["paged_max_err"] = float(jnp.abs(out.astype(jnp.float32) - got.astype(jnp.float32)).max())
+        calls["paged"] = lambda: flex_paged(q, k_pages, v_pages, table, pos)
+    # Interleaved runs (the machine is shared and its load drifts): each round times the
+    # bandwidth probe and every implementation once, in an order rotated every round (what
+    # runs right after the dense call is slower); medians over the rounds.
+    for call in calls.values():
+        jax.block_until_ready(call())
+    times = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(runs):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_once(calls[name]))
+    for name, ts in times.items():
+        rec[f"{name}_ms"] = float(np.median(ts))
+    rec["bandwidth"] = probe_bytes / (rec["bandwidth_ms"] / 1e3)
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="*", default=None)
+    p.add_argument("--dtypes", nargs="*", default=None)
+    p.add_argument("--masks", nargs="*", default=None)
+    p.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
+    p.add_argument("--no-dense", action="store_true")
+    p.add_argument("--no-paged", action="store_true")
+    args = p.parse_args(argv)
+    specs = [s for s in SPECS if (args.lengths is None or s.L in args.lengths)
+             and (args.dtypes is None or s.dtype in args.dtypes) and (args.masks is None or s.mask in args.masks)]
+    print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} cpus")
+    print("| spec | flex ms | tokens/s | K/V GB/s | bandwidth GB/s | ratio | dense ms | vs dense | paged ms | "
+          "paged/contig |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for spec in specs:
+        rec = run(spec, dense=not args.no_dense, paged_too=not args.no_paged, runs=args.runs)
+        bw = rec["bandwidth"]
+        rate = spec.kv_bytes() / (rec["flex_ms"] / 1e3)
+        dense = f"{rec['dense_ms']:.1f} | {rec['dense_ms'] / rec['flex_ms']:.1f}x" if "dense_ms" in rec else "- | -"
+        pg = f"{rec['paged_ms']:.1f} | {rec['paged_ms'] / rec['flex_ms']:.2f}" if "paged_ms" in rec else "- | -"
+        print(f"| {spec.name} | {rec['flex_ms']:.2f} | {spec.B / (rec['flex_ms'] / 1e3):.0f} | {rate / 1e9:.2f} | "
+              f"{bw / 1e9:.2f} | {rate / bw:.0%} | {dense} | {pg} |", flush=True)
+        errs = {k: f"{v:.2g}" for k, v in rec.items() if k.endswith("_err")}
+        if errs:
+            print(f"|   {spec.name} max abs error vs flex: {errs} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

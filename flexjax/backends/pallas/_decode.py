@@ -1,0 +1,204 @@
+"""The pallas decode kernel (GPU template, interpret mode on CPU): KV split over programs.
+
+A decode step has few queries, so one q tile holds all of them and the kv tiles of a
+row are split over ``C`` programs (flash-decoding, https://pytorch.org/blog/flash-decoding/):
+program (c, q tile, batch x head) walks its share of the row's partial then full tiles
+and writes its partial softmax (acc, max, sum); the shares are merged by their
+log-sum-exp afterwards. The counts come from the traced tile lists, so tiles past a
+sequence's length cost nothing. Paged KV: K/V are page pools read through the page
+table, an int32 ref, in logical positions. Residuals are the pallas backward's (row max,
+row sum), so the backward is the usual one.
+
+When neither mod reads ``h`` (causal, windows, padding, soft-cap...), the query heads of a
+GQA group and the queries share one tile's rows, so K/V are read once per kv head; mods
+that read ``h`` (ALiBi, per-head masks) get one program per query head. Not done yet: a
+TPU (Mosaic) variant; TPU calls take the normal kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .._common import lse_of
+from .._decode import DECODE_MAX_Q
+from .._decode import serves as xla_serves
+from ._gpu import _compiler_params, _div, _pro_refs, _Program, _rem, _take, _uses, _whole
+from ._layout import geometry, pad_axis, prologues
+from ._tile import Mods, Tile, finish, forward_tile
+
+# Programs the kv tiles of one row are split over (flash-decoding's split-KV).
+_CHUNKS = 4
+
+
+def q_tile(spec, o) -> int | None:
+    """The one q tile holding all queries, or None where no tile fits.
+
+    Interpret mode: ``Sq`` (whole mask blocks above one block; below, only the first
+    ``Sq`` rows of the block are computed). Triton: a power of two >= 16 that divides the
+    BlockMask's q block or is a multiple of it.
+    """
+    sq, bq = spec.q_len, spec.block_size[0]
+    if o.target != "cuda" or o.interpret:
+        return sq if sq <= bq else -(-sq // bq) * bq
+    t = max(16, 1 << (sq - 1).bit_length())
+    return t if bq % t == 0 or t % bq == 0 else None
+
+
+def serves(spec, q, o) -> bool:
+    """The decode kernel serves few queries (``Sq <= DECODE_MAX_Q``) on the GPU template."""
+    return (o.target != "tpu" and xla_serves(spec, q) and spec.q_len <= DECODE_MAX_Q
+            and q_tile(spec, o) is not None)
+
+
+def _packs(spec, g, s_pro, m_pro) -> bool:
+    """Whether the query heads of a GQA group share one tile: more than one head per kv
+    head, one q block, and mods that never read ``h`` (their row values then are per query
+    position only)."""
+    if g.G == 1 or g.sq != g.cq:
+        return False
+    if any(m is not None and "h" in m.uses for m in (spec.score, spec.mask)):
+        return False
+    return all(x.shape[1] == 1 for p in (s_pro, m_pro) for x in (*p.rows, *p.cols))
+
+
+def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, pack: int):
+    it = iter(refs)
+    kv_n, kv_i, fkv_n, fkv_i = _take(it, 4)
+    pt_ref = next(it) if paged else None
+    q_ref, k_ref, v_ref = _take(it, 3)
+    s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
+    o_ref, m_ref, l_ref = _take(it, 3)
+    c, i, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if pack > 1:
+        # Rows r = g * Sq + s of kv head kvh: query s of query head kvh * G + g (the mods
+        # read no h, so h only picks the lists' and prologues' head).
+        b, kvh = _div(bh, g.Hkv), _rem(bh, g.Hkv)
+        h, row = kvh * g.G, 0
+    else:
+        b, h = _div(bh, g.Hq), _rem(bh, g.Hq)
+        kvh, row = _div(h, g.G), _div(i, g.sub_q)
+    prog = _Program(g, b, h)
+    q = q_ref[...]
+    q_start = i * g.tq
+    s_uses, m_uses = _uses(mods.score), _uses(mods.mask)
+    sub = g.sub_k
+    n_p = kv_n[prog.bm, prog.hm(h), row] * sub
+    n_all = n_p + fkv_n[prog.bm, prog.hm(h), row] * sub
+    lo = c * per
+    hi = jnp.minimum(lo + per, n_all)
+
+    def tile(ks):
+        if pack == 1:
+            return prog.tile(h, q_start, ks)
+        r = lax.broadcasted_iota(jnp.int32, (g.tq, 1), 0)
+        ki = ks + lax.broadcasted_iota(jnp.int32, (1, g.tk), 1)
+        return Tile(b, h, lax.rem(r, jnp.int32(g.q_len)), jnp.minimum(ki, g.kv_len - 1),
+                    r < pack * g.q_len, ki < g.kv_len)
+
+    def load(ref, ks):
+        if not paged:
+            return ref[pl.ds(ks, g.tk), :]
+        ps = ref.shape[1]
+        page = pt_ref[b, _div(ks, ps)]
+        return ref[page, pl.ds(_rem(ks, ps), g.tk), kvh, :]
+
+    def body(masked, idx_ref, base):
+        def step(t, carry):
+            e = t - base
+            entry = idx_ref[prog.bm, prog.hm(h), row, _div(e, sub)]
+            ks = pl.multiple_of((entry * sub + _rem(e, sub)) * g.tk, g.tk)
+            k, v = load(k_ref, ks), load(v_ref, ks)
+            tl = tile(ks)
+            return forward_tile(mods, carry, q, k, v, tl, scale, masked,
+                                prog.mod_inputs(s_refs, *s_uses, h, q_start, ks),
+                                prog.mod_inputs(m_refs, *m_uses, h, q_start, ks))
+
+        return step
+
+    dv = o_ref.shape[-1]
+    carry = (jnp.full((g.tq, 1), -jnp.inf, jnp.float32), jnp.zeros((g.tq, 1), jnp.float32),
+             jnp.zeros((g.tq, dv), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, n_p), body(True, kv_i, 0), carry)
+    carry = lax.fori_loop(jnp.maximum(lo, n_p), hi, body(False, fkv_i, n_p), carry)
+    out, m, l = finish(carry)
+    o_ref[...] = out
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods: Mods, page_table=None):
+    """out (B, Sq, Hq, Dv), lse and the pallas backward's residuals (row max, row sum).
+
+    ``page_table``: int32 (B, max_pages) when k and v are page pools (num_pages,
+    page_size, Hkv, .) in logical positions (``spec.kv_len = max_pages * page_size``).
+    """
+    B, Sq, Hq, D = q.shape
+    Dv = v.shape[-1]
+    paged = page_table is not None
+    tq = q_tile(spec, o)
+    tk = spec.block_size[1] if paged else o.block_kv
+    kshape = (B, spec.kv_len) + k.shape[2:]
+    g, lists = geometry(spec, q, jax.ShapeDtypeStruct(kshape, k.dtype), lists, tq, tk)
+    qp = pad_axis(q, 1, g.sq)
+    if not paged:
+        k, v = pad_axis(k, 1, g.skv), pad_axis(v, 1, g.skv)
+    s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
+    G, R = g.G, g.G * Sq
+    pack = G if _packs(spec, g, s_pro, m_pro) else 1
+    if pack > 1:
+        # The G query heads of a kv head and the Sq queries become the rows of one tile
+        # (row g * Sq + s), laid out as a sequence of R rows over Hkv heads, so K/V are
+        # read once per kv head.
+        tq = max(16, 1 << (R - 1).bit_length()) if o.target == "cuda" and not o.interpret else R
+        qp = pad_axis(q.reshape(B, Sq, g.Hkv, G, D).transpose(0, 3, 1, 2, 4).reshape(B, R, g.Hkv, D), 1, tq)
+        r = jnp.arange(tq)
+        rows_of = jnp.where(r < R, r % Sq, 0)
+        s_pro, m_pro = (dataclasses.replace(p, rows=tuple(x[:, :, rows_of] for x in p.rows)) for p in (s_pro, m_pro))
+        g = dataclasses.replace(g, tq=tq)
+    H, Gp = (g.Hkv, 1) if pack > 1 else (Hq, G)
+    nqt = 1 if pack > 1 else -(-Sq // tq)
+    width = (lists[1].shape[-1] + lists[3].shape[-1]) * g.sub_k
+    chunks = max(1, min(_CHUNKS, width))
+    per = -(-width // chunks)
+    pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays)
+    if paged:
+        kv_specs = [_whole(k), _whole(v)]
+        head = [page_table]
+    else:
+        kv_specs = [pl.BlockSpec((None, g.skv, None, x.shape[-1]), lambda c, i, bh: (bh // H, 0, (bh % H) // Gp, 0))
+                    for x in (k, v)]
+        head = []
+    in_specs = ([_whole(x) for x in lists[:4]] + [_whole(x) for x in head]
+                + [pl.BlockSpec((None, tq, None, D), lambda c, i, bh: (bh // H, i, bh % H, 0))] + kv_specs
+                + [_whole(x) for x in pro_args])
+    vec = pl.BlockSpec((None, None, None, tq, 1), lambda c, i, bh: (c, bh // H, bh % H, i, 0))
+    out_specs = [pl.BlockSpec((None, None, tq, None, Dv), lambda c, i, bh: (c, bh // H, i, bh % H, 0)), vec, vec]
+    vec_shape = jax.ShapeDtypeStruct((chunks, B, H, nqt * tq, 1), jnp.float32)
+    kernel = functools.partial(_kernel, g=g, mods=mods, scale=spec.scale, shapes=(s_pro, m_pro), per=per,
+                               paged=paged, pack=pack)
+    acc, m, l = pl.pallas_call(
+        kernel, grid=(chunks, nqt, B * H), in_specs=in_specs, out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((chunks, B, nqt * tq, H, Dv), jnp.float32), vec_shape, vec_shape],
+        interpret=o.interpret, compiler_params=_compiler_params(o.target, o.interpret, o.num_warps, o.num_stages),
+        name="flexjax_decode",
+    )(*lists[:4], *head, qp, k, v, *pro_args)
+    if pack > 1:
+        m, l = (x[:, :, :, :R].reshape(chunks, B, Hq, Sq, 1) for x in (m, l))
+        acc = acc[:, :, :R].reshape(chunks, B, G, Sq, g.Hkv, Dv).transpose(0, 1, 3, 4, 2, 5)
+        acc = acc.reshape(chunks, B, Sq, Hq, Dv)
+    # Merge the chunks by their log-sum-exp; an empty chunk has sum 0 and max 0.
+    m, l = m[:, :, :, :Sq, 0], l[:, :, :, :Sq, 0]
+    m_all = jnp.where(l > 0, m, -jnp.inf).max(0)
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    w = jnp.where(l > 0, jnp.exp(m - m_all), 0.0)
+    l_all = (l * w).sum(0)
+    acc = (acc[:, :, :Sq] * (w * l).transpose(0, 1, 3, 2)[..., None]).sum(0)
+    out = acc / jnp.where(l_all > 0, l_all, 1.0).transpose(0, 2, 1)[..., None]
+    return out.astype(q.dtype), lse_of(m_all, l_all), (m_all, l_all)
+

@@ -1,0 +1,381 @@
+"""KV caches: block masks for decode steps at traced positions, and attention over paged KV.
+
+A decode loop that never recompiles allocates its cache once (capacity ``L_max``), keeps
+per-sequence lengths and positions as traced arrays and calls one jitted step forever.
+Its block mask is built once for ``L_max x L_max`` and each step takes the rows it needs
+(``decode_block_mask`` or ``BlockMask.__getitem__``), with the mask_mod's ``q_idx``
+shifted to the queries' positions; tiles past a sequence's length are then absent from
+the row and skipped at run time.
+
+Paged KV keeps K/V in physical pools ``(num_pages, page_size, kv_heads, head_dim)`` and a
+page table ``int32 (B, max_pages)`` from logical to physical pages. ``flex_attention``
+here takes the block mask and mods in logical positions (as if the cache were
+contiguous, ``KV_LEN = max_pages * page_size``) and reads pages through the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._block_mask import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    BlockMask,
+    _states_from_lists,
+    _with_kv_band,
+    full_block_mask,
+    lists_from_states,
+)
+from ._factory import entry
+from ._trace import trace_mod
+
+
+def _int_array(name: str, x, shapes: str) -> jax.Array:
+    arr = jnp.asarray(x)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an int or an integer array of shape {shapes}, got dtype {arr.dtype}")
+    return arr.astype(jnp.int32)
+
+
+def _shifted(mask, consts, shift, q_len_orig: int) -> Callable:
+    """``mask`` with ``q_idx`` moved by ``shift`` (a scalar or (B,) array), clamped into range."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask(consts, b, h, jnp.minimum(q_idx + entry(shift, b), q_len_orig - 1), kv_idx)
+
+    mask_mod.__name__ = f"{mask.name}@q+offset"
+    return mask_mod
+
+
+def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
+    """A BlockMask of ``q_len`` queries whose q block ``i`` is the union of ``bm``'s q-block
+    rows ``lo[..., i]`` and ``hi[..., i]``, with the mask_mod's ``q_idx`` shifted by ``shift``.
+
+    ``lo``/``hi``: int32 (Bt, n) rows (Bt 1 or the batch); ``shift``: a scalar or (B,)
+    int32 array (may be traced). A tile is full where full in both rows, partial where
+    non-empty in either (the shifted mask_mod decides per pair: exact).
+    """
+    nq, nkv = bm.num_blocks
+    lo, hi = jnp.clip(lo, 0, nq - 1), jnp.clip(hi, 0, nq - 1)
+    kv_n, kv_i, fkv_n, fkv_i = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+    Bt = max(kv_n.shape[0], lo.shape[0])
+    Hm = kv_n.shape[1]
+
+    def row(n, idx, r, value):
+        n = jnp.broadcast_to(n, (Bt,) + n.shape[1:])
+        idx = jnp.broadcast_to(idx, (Bt,) + idx.shape[1:])
+        r = jnp.broadcast_to(r[:, None, :], (Bt, Hm, r.shape[-1]))
+        n_r = jnp.take_along_axis(n, r, axis=2)
+        idx_r = jnp.take_along_axis(idx, r[..., None], axis=2)
+        return _states_from_lists(n_r, idx_r, value, nkv)
+
+    def states(r):
+        return jnp.maximum(row(kv_n, kv_i, r, PARTIAL), row(fkv_n, fkv_i, r, FULL))
+
+    a, b = states(lo), states(hi)
+    united = jnp.where((a == FULL) & (b == FULL), FULL,
+                       jnp.where((a != EMPTY) | (b != EMPTY), PARTIAL, EMPTY)).astype(jnp.int8)
+    lists = lists_from_states(united)
+    mask, consts = bm.mask, ()
+    if bm.mask is not None:
+        traced = trace_mod(_shifted(bm.mask, bm.mask_consts, shift, bm.seq_lengths[0]), "mask",
+                           arg_name="mask_mod")
+        mask, consts = traced.static(), traced.consts
+    out = BlockMask(*lists, consts, seq_lengths=(q_len, bm.seq_lengths[1]), block_size=bm.block_size,
+                    mask=mask)
+    return _with_kv_band(out)
+
+
+def decode_block_mask(block_mask: BlockMask, positions, q_len: int = 1) -> BlockMask:
+    """The BlockMask of ``q_len`` queries at ``positions``, taken from one built for the cache.
+
+    The cache idiom: build ``create_block_mask(mask_mod, B, H, L_max, L_max)`` once, and in
+    the jitted step call ``decode_block_mask(bm, positions, q_len)``. Query ``i`` of batch
+    ``b`` sits at position ``positions[b] + i``; the result's mask_mod is the original with
+    ``q_idx`` shifted by ``positions[b]`` (PyTorch's decode idiom shifts it by hand), and its
+    tile rows are the original rows those positions fall in. With a causal mask, tiles past
+    the position are absent, so the step reads only the keys up to it.
+
+    Args:
+      block_mask: built for ``(Q_LEN, KV_LEN) = (L_max, L_max)`` (any KV_LEN).
+      positions: an int, an integer scalar or a ``(B,)`` integer array (may be traced).
+      q_len: the number of queries per sequence in the step (static).
+
+    Returns:
+      A BlockMask of shape ``(B or 1, H, q_len, KV_LEN)`` for ``flex_attention``.
+
+    Raises:
+      TypeError / ValueError: a wrong type or shape of ``positions`` or ``q_len``.
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
+    if isinstance(q_len, bool) or not isinstance(q_len, (int, np.integer)) or q_len < 1:
+        raise ValueError(f"q_len must be a positive int (queries per sequence), got {q_len!r}")
+    if q_len > block_mask.seq_lengths[0]:
+        raise ValueError(f"q_len={q_len} exceeds the block mask's Q_LEN={block_mask.seq_lengths[0]}")
+    pos = _int_array("positions", positions, "() or (B,)")
+    if pos.ndim > 1:
+        raise ValueError(f"positions must be a scalar or of shape (B,), got shape {pos.shape}")
+    bq = block_mask.block_size[0]
+    n = -(-q_len // bq)
+    first = jnp.arange(n, dtype=jnp.int32) * bq
+    last = jnp.minimum(first + bq, q_len) - 1
+    p = pos.reshape(-1, 1)
+    return select_rows(block_mask, (p + first) // bq, (p + last) // bq, pos, int(q_len))
+
+
+# -- paged KV ------------------------------------------------------------------------------
+
+def allocate(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype=jnp.float32,
+             v_head_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Zeroed page pools ``k_pages (num_pages, page_size, kv_heads, head_dim)`` and ``v_pages``.
+
+    Allocate once; ``write`` fills them step by step (pass them with ``donate_argnums`` to
+    the jitted step so the update happens in place).
+    """
+    for name, n in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return (jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype),
+            jnp.zeros((num_pages, page_size, kv_heads, dv), dtype))
+
+
+def page_table_for(lengths, page_size: int, max_pages: int, *, num_pages: int | None = None,
+                   seed: int | None = None) -> np.ndarray:
+    """A host-side page table int32 (B, max_pages) giving each sequence distinct pages.
+
+    Sequence ``b`` gets ``ceil(lengths[b] / page_size)`` pages (its other entries point at
+    page 0, never read past the length). ``seed`` shuffles the physical pages (tests);
+    ``num_pages`` defaults to the pages needed.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    need = -(-lengths // page_size)
+    if (need > max_pages).any():
+        raise ValueError(f"a length of {int(lengths.max())} needs {int(need.max())} pages of {page_size}; "
+                         f"max_pages is {max_pages}")
+    total = int(need.sum())
+    num_pages = total if num_pages is None else num_pages
+    if total > num_pages:
+        raise ValueError(f"the lengths need {total} pages, the pool has {num_pages}")
+    pages = np.arange(num_pages)
+    if seed is not None:
+        pages = np.random.default_rng(seed).permutation(num_pages)
+    table = np.zeros((lengths.size, max_pages), np.int32)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = pages[start:start + n]
+        start += n
+    return table
+
+
+def write(k_pages, v_pages, page_table, positions, k_new, v_new):
+    """Writes new tokens into the pools; returns the updated ``(k_pages, v_pages)``.
+
+    Functional and jit-able (donate the pools for an in-place update).
+
+    Args:
+      k_pages, v_pages: (num_pages, page_size, kv_heads, head_dim / v_head_dim).
+      page_table: int32 (B, max_pages).
+      positions: int32 (B,), the logical position of each sequence's first new token.
+      k_new, v_new: (B, T, kv_heads, .), T new tokens per sequence at ``positions[b] + t``.
+    """
+    if k_new.ndim != 4 or k_new.shape[2:] != k_pages.shape[2:] or v_new.shape[2:] != v_pages.shape[2:]:
+        raise ValueError(f"k_new / v_new must be (B, T, {k_pages.shape[2]}, .) matching the pools' heads and "
+                         f"head dims, got {k_new.shape} / {v_new.shape}")
+    B, T = k_new.shape[:2]
+    pt = _int_array("page_table", page_table, "(B, max_pages)")
+    if pt.ndim != 2 or pt.shape[0] != B:
+        raise ValueError(f"page_table must be (B={B}, max_pages), got shape {pt.shape}")
+    pos = _int_array("positions", positions, "(B,)").reshape(-1)
+    ps = k_pages.shape[1]
+    logical = pos[:, None] + jnp.arange(T, dtype=jnp.int32)
+    page = jnp.take_along_axis(pt, jnp.clip(logical // ps, 0, pt.shape[1] - 1), axis=1)
+    slot = logical % ps
+    return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype)),
+            v_pages.at[page, slot].set(v_new.astype(v_pages.dtype)))
+
+
+def gather(pages, page_table) -> jax.Array:
+    """The contiguous logical cache (B, max_pages * page_size, kv_heads, .) of a pool (for tests)."""
+    B, mp = page_table.shape
+    return pages[page_table].reshape(B, mp * pages.shape[1], *pages.shape[2:])
+
+
+def _with_lengths(bm: BlockMask, kv_lengths, B: int):
+    """``bm`` with keys at or past ``kv_lengths[b]`` masked: tiles past the length become
+    empty (skipped at run time), tiles across it partial; the mask_mod adds the test."""
+    nq, nkv = bm.num_blocks
+    bkv = bm.block_size[1]
+    st = jnp.maximum(_states_from_lists(bm.kv_num_blocks, bm.kv_indices, PARTIAL, nkv),
+                     _states_from_lists(bm.full_kv_num_blocks, bm.full_kv_indices, FULL, nkv))
+    st = jnp.broadcast_to(st, (B,) + st.shape[1:])
+    j = jnp.arange(nkv, dtype=jnp.int32)
+    n = kv_lengths[:, None, None, None]
+    st = jnp.where(j * bkv >= n, EMPTY, jnp.where((st == FULL) & ((j + 1) * bkv > n), PARTIAL, st)).astype(jnp.int8)
+    base, consts = bm.mask, bm.mask_consts
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = kv_idx < kv_lengths[b]
+        return ok if base is None else ok & base(consts, b, h, q_idx, kv_idx)
+
+    mask_mod.__name__ = f"{base.name if base is not None else 'noop_mask'}&kv_lengths"
+    traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
+    return lists_from_states(st), traced.static(), tuple(traced.consts)
+
+
+def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *,
+                   scale=None, return_lse: bool = False, backend: str | None = None,
+                   kernel_options: dict | None = None):
+    """``flexjax.flex_attention`` over a paged KV cache, reading pages through the table.
+
+    The block mask and mods are written in logical positions, as if the cache were
+    contiguous with ``KV_LEN = max_pages * page_size``; the result equals
+    ``flexjax.flex_attention`` on ``gather(k_pages, page_table)`` with keys at or past
+    ``kv_lengths[b]`` masked. Only the pages of non-empty tiles are read (tiles past a
+    sequence's length are skipped at run time); the backward gathers the logical cache.
+
+    Args:
+      query: (B, Sq, Hq, D).
+      k_pages, v_pages: (num_pages, page_size, Hkv, D / Dv); ``Hq % Hkv == 0``.
+      page_table: int32 (B, max_pages), logical page -> physical page.
+      kv_lengths: int32 (B,), valid keys per sequence (may be traced).
+      score_mod, block_mask, scale, return_lse: as in ``flexjax.flex_attention``; the
+        block mask is built for ``(Sq, max_pages * page_size)`` and its kv block must
+        divide ``page_size``.
+      backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
+        ``Sq <= 64``; interpret mode on CPU).
+      kernel_options: the pallas backend's (e.g. ``{"target": "cuda"}``), with backend="pallas".
+
+    Returns:
+      (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``.
+    """
+    from ._api import AttentionSpec, _check_block_mask, _check_qkv
+    from .backends._common import acc_dtype
+
+    if backend not in (None, "xla", "pallas"):
+        raise NotImplementedError(f"flexjax.paged.flex_attention has xla and pallas paths; got backend={backend!r}, "
+                                  "pass backend=None, 'xla' or 'pallas'")
+    if kernel_options and backend != "pallas":
+        raise ValueError(f"flexjax.paged.flex_attention takes kernel_options with backend='pallas' only, got "
+                         f"{sorted(kernel_options)}")
+    if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError("k_pages and v_pages must be (num_pages, page_size, kv_heads, head_dim) with the same "
+                         f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
+                         f"{getattr(v_pages, 'shape', None)}")
+    B, Sq, Hq, D = query.shape
+    ps = k_pages.shape[1]
+    pt = _int_array("page_table", page_table, "(B, max_pages)")
+    if pt.ndim != 2 or pt.shape[0] != B:
+        raise ValueError(f"page_table must be int32 (B={B}, max_pages), got shape {pt.shape}")
+    lengths = _int_array("kv_lengths", kv_lengths, "(B,)")
+    if lengths.shape != (B,):
+        raise ValueError(f"kv_lengths must be int32 (B={B},), got shape {lengths.shape}")
+    kv_len = pt.shape[1] * ps
+    # dtypes, heads and head dims, checked as for a contiguous cache of one page.
+    _check_qkv(query, jax.ShapeDtypeStruct((B,) + k_pages.shape[1:], k_pages.dtype),
+               jax.ShapeDtypeStruct((B,) + v_pages.shape[1:], v_pages.dtype))
+    if block_mask is None:
+        bkv = math.gcd(ps, 128)
+        block_mask = full_block_mask(1, 1, Sq, kv_len, block_size=(128, bkv))
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
+    if block_mask.seq_lengths != (Sq, kv_len):
+        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN)={block_mask.seq_lengths}; a paged call "
+                         f"needs ({Sq}, max_pages * page_size = {kv_len}): rebuild it with "
+                         f"create_block_mask(mask_mod, B, H, {Sq}, {kv_len})")
+    _check_block_mask(block_mask, query.shape, kv_len)  # its batch and head sizes
+    bkv = block_mask.block_size[1]
+    if ps % bkv:
+        raise ValueError(f"page_size ({ps}) must be a multiple of the block mask's kv block ({bkv}); rebuild "
+                         f"it with block_size=(block_q, d) for a d dividing {ps}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    score, score_consts = None, ()
+    if score_mod is not None:
+        traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(query.dtype))
+        score, score_consts = traced.static(), tuple(traced.consts)
+    lists, mask, mask_consts = _with_lengths(block_mask, lengths, B)
+    spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=Sq, kv_len=kv_len,
+                         block_size=block_mask.block_size, kernel_options=tuple(sorted((kernel_options or {}).items())))
+    name = backend or "xla"
+    if name == "pallas":
+        from .backends import pallas
+        from .backends.pallas import _decode as pallas_decode
+
+        k_like = jax.ShapeDtypeStruct((B, kv_len) + k_pages.shape[2:], k_pages.dtype)
+        v_like = jax.ShapeDtypeStruct((B, kv_len) + v_pages.shape[2:], v_pages.dtype)
+        reason = pallas.unsupported_reason(spec, query, k_like, v_like)
+        if reason is not None:
+            raise NotImplementedError(f"backend 'pallas' cannot serve this paged call: {reason}")
+        if not pallas_decode.serves(spec, query, pallas._resolve(spec, D, query.dtype)):
+            raise NotImplementedError(f"the pallas paged kernel serves Sq <= {pallas_decode.DECODE_MAX_Q} on the GPU "
+                                      f"template (interpret mode on CPU), got Sq={Sq} on "
+                                      f"{jax.default_backend()}; pass backend='xla'")
+    out, lse = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
+    return (out, lse) if return_lse else out
+
+
+def _float0_like(x):
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _ct(x, d):
+    return d.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else _float0_like(x)
+
+
+def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
+    if name == "pallas":
+        from .backends import pallas
+        from .backends.pallas import _decode as pallas_decode
+
+        o = pallas._resolve(spec, q.shape[-1], q.dtype)
+        return pallas_decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists, o,
+                                                    pallas._mods(spec, o), page_table=page_table)
+    from .backends import _decode
+
+    return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
+                                          page_table=page_table)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
+    out, lse, _ = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
+    return out, lse
+
+
+def _paged_fwd(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
+    out, lse, res = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
+    return (out, lse), (q, k_pages, v_pages, score_consts, mask_consts, lists, page_table, out, lse, res)
+
+
+def _paged_bwd(name, spec, saved, cts):
+    from .backends import get_backend
+
+    q, k_pages, v_pages, score_consts, mask_consts, lists, page_table, out, lse, res = saved
+    dout, dlse = cts
+    # The backward is the backend's own on the logical cache (decode is mostly inference).
+    k, v = gather(k_pages, page_table), gather(v_pages, page_table)
+    wants = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in score_consts)
+    dq, dk, dv, dscore = get_backend(name).backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts,
+                                                    lists, wants, res)
+    ps = k_pages.shape[1]
+
+    def scatter(pages, d):
+        d = d.reshape(d.shape[0], -1, ps, *d.shape[2:])
+        return jnp.zeros(pages.shape, d.dtype).at[page_table].add(d).astype(pages.dtype)
+
+    dscore = tuple(_ct(c, d) if d is not None else _ct(c, jnp.zeros_like(c)) for c, d in zip(score_consts, dscore))
+    return (dq.astype(q.dtype), scatter(k_pages, dk), scatter(v_pages, dv), dscore,
+            tuple(_ct(c, jnp.zeros_like(c)) for c in mask_consts), tuple(_float0_like(x) for x in lists),
+            _float0_like(page_table))
+
+
+_paged.defvjp(_paged_fwd, _paged_bwd)

@@ -1,0 +1,125 @@
+"""flexjax.paged: attention through a page table equals attention on the gathered cache."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import assert_close
+
+import flexjax
+from flexjax import masks, paged
+
+B, HQ, HKV, D, PS, MAX_PAGES = 3, 4, 2, 16, 32, 6
+KV_LEN = PS * MAX_PAGES
+
+
+def _setup(sq, seed=0):
+    lengths = np.array([150, 37, 96])
+    table = paged.page_table_for(lengths, PS, MAX_PAGES, num_pages=20, seed=seed)
+    ks = jax.random.split(jax.random.key(seed), 5)
+    k_pages = jax.random.normal(ks[0], (20, PS, HKV, D))
+    v_pages = jax.random.normal(ks[1], (20, PS, HKV, D))
+    q = jax.random.normal(ks[2], (B, sq, HQ, D))
+    do = jax.random.normal(ks[3], (B, sq, HQ, D))
+    slopes = jax.random.uniform(ks[4], (HQ,), minval=0.01, maxval=0.2)
+    return jnp.asarray(lengths, jnp.int32), jnp.asarray(table), k_pages, v_pages, q, do, slopes
+
+
+def _alibi(slopes):
+    return lambda s, b, h, q_idx, kv_idx: s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
+
+
+@pytest.mark.parametrize("sq", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_paged_matches_gathered_cache(sq):
+    """Random page table, ragged lengths, GQA, a sliding window and ALiBi in logical
+    positions: forward, lse and the gradients of q, the pools and the slopes."""
+    lengths, table, k_pages, v_pages, q, do, slopes = _setup(sq)
+    # Queries sit at the end of each sequence (bottom-right), window 64 in logical positions.
+    def window(b, h, q_idx, kv_idx):
+        return kv_idx >= q_idx + lengths[b] - sq - 64
+
+    mask = flexjax.and_masks(masks.causal_bottom_right(sq, lengths), window)
+    bm = flexjax.create_block_mask(mask, B, None, sq, KV_LEN, block_size=(16, 32))
+
+    def paged_loss(q, k_pages, v_pages, slopes, backend):
+        out, lse = paged.flex_attention(q, k_pages, v_pages, table, lengths, _alibi(slopes), bm, return_lse=True,
+                                        backend=backend)
+        return jnp.sum(out * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    def ref_loss(q, k_pages, v_pages, slopes):
+        k, v = paged.gather(k_pages, table), paged.gather(v_pages, table)
+        full = flexjax.create_block_mask(flexjax.and_masks(mask, masks.padding(lengths)), B, None, sq, KV_LEN,
+                                         block_size=(16, 32))
+        out, lse = flexjax.flex_attention(q, k, v, _alibi(slopes), full, return_lse=True, backend="reference")
+        return jnp.sum(out * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
+    (_, truth), g_truth = grad(ref_loss)(q, k_pages, v_pages, slopes)
+    (_, got), g_got = grad(functools.partial(paged_loss, backend="xla"))(q, k_pages, v_pages, slopes)
+    assert_close("paged xla", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
+    # pallas: gradients in the slow case (the backward is pallas' usual one on the
+    # gathered cache), the forward here.
+    if sq == 1:
+        got = jax.jit(lambda *a: paged_loss(*a, backend="pallas")[1])(q, k_pages, v_pages, slopes)
+        assert_close("paged pallas", got, truth, truth, jnp.float32)
+    else:
+        (_, got), g_got = grad(functools.partial(paged_loss, backend="pallas"))(q, k_pages, v_pages, slopes)
+        assert_close("paged pallas", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
+
+
+def test_write():
+    """write() puts new tokens where the gathered logical cache has them."""
+    lengths, table, k_pages, v_pages, _, _, _ = _setup(1, seed=1)
+    k_new = jnp.ones((B, 2, HKV, D))
+    pos = lengths - 2
+    k2, v2 = jax.jit(paged.write)(k_pages, v_pages, table, pos, k_new, 2 * k_new)
+    k_log, v_log = paged.gather(k2, table), paged.gather(v2, table)
+    for b in range(B):
+        p = int(pos[b])
+        np.testing.assert_array_equal(np.asarray(k_log[b, p:p + 2]), 1.0)
+        np.testing.assert_array_equal(np.asarray(v_log[b, p:p + 2]), 2.0)
+
+
+def test_errors():
+    lengths, table, k_pages, v_pages, q, _, _ = _setup(1)
+    bm = flexjax.create_block_mask(None, None, None, 1, KV_LEN, block_size=(16, 64))
+    with pytest.raises(ValueError, match="page_size"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm)
+    with pytest.raises(ValueError, match="KV_LEN"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths,
+                             block_mask=flexjax.create_block_mask(None, None, None, 1, 100))
+    with pytest.raises(ValueError, match="kv_lengths"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths[:2])
+    with pytest.raises(NotImplementedError, match="xla and pallas"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, backend="triton")
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_pallas_decode_kernels_lower_for_cuda():
+    """The decode and paged kernels lower through Triton from this CPU host (page table as an int32 ref)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    L, sq = 256, 1
+    bm = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=64)
+    opts = {"target": "cuda"}
+
+    def contiguous(q, k, v, pos):
+        return flexjax.flex_attention(q, k, v, block_mask=paged.decode_block_mask(bm, pos), backend="pallas",
+                                      kernel_options=opts)
+
+    def paged_step(q, kp, vp, table, pos):
+        return paged.flex_attention(q, kp, vp, table, pos + 1, block_mask=paged.decode_block_mask(bm, pos),
+                                    backend="pallas", kernel_options=opts)
+
+    q = jax.ShapeDtypeStruct((2, sq, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, L, 2, 64), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 64, 2, 64), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((2,), jnp.int32)
+    table = jax.ShapeDtypeStruct((2, L // 64), jnp.int32)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", 1, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos))):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "flexjax_decode" in text
