@@ -135,6 +135,12 @@ def _pad_dim(n: int) -> int:
     return max(16, 1 << (int(n) - 1).bit_length())
 
 
+# Backward kv tiles under dropout, where the table's row has no registers left for the hash:
+# bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and 92+132 B
+# (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
+_DROPOUT_BWD_KV = {(2, 256): 32}
+
+
 def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16
                ) -> KernelOptions:
     """Default tiles and launch parameters for sm_``compute_capability`` (sm_80 and sm_90 tables).
@@ -184,6 +190,9 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
                                 num_stages=1, bwd_num_warps=4, bwd_num_stages=1)
     else:
         default = heuristics(cc, spec.block_size, head_dim, dtype)
+        key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, _pad_dim(head_dim)), 256))
+        if spec.dropout_rate > 0 and key in _DROPOUT_BWD_KV:
+            default = dataclasses.replace(default, bwd_block_kv=_fit(_DROPOUT_BWD_KV[key], spec.block_size[1]))
     values = {f: opts[f] if opts.get(f) is not None else getattr(default, f) for f in _FIELDS}
     values.update(target=target, interpret=bool(interpret), compute_capability=int(cc),
                   autotune=bool(opts.get("autotune")))
