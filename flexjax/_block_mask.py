@@ -77,6 +77,17 @@ def _check_block_size(block_size) -> tuple[int, int]:
     return int(bs[0]), int(bs[1])
 
 
+def _list_width(need: int, width, n_cols: int) -> int:
+    """Width of concrete tile lists whose busiest row has ``need`` entries (``width``: the
+    user's ``max_blocks_per_row`` or None); ValueError when that bound is too small."""
+    w = max(1, need) if width is None else min(int(width), n_cols)
+    if need > w:
+        raise ValueError(
+            f"max_blocks_per_row={width} is too small: some block row has {need} non-empty tiles; "
+            f"pass max_blocks_per_row >= {need} (or None)")
+    return w
+
+
 def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
     """Sparse tile lists from a (B, H, nQ, nKV) array of EMPTY/PARTIAL/FULL.
 
@@ -126,11 +137,7 @@ def _np_lists(states: np.ndarray, kv_width: int | None, q_width: int | None) -> 
         n_p = (flat == PARTIAL).sum(3 - axis_rows, dtype=np.int32)
         n_f = (flat == FULL).sum(3 - axis_rows, dtype=np.int32)
         need = int((n_p + n_f).max(initial=0))
-        w = max(1, need) if width is None else min(int(width), n_cols)
-        if need > w:
-            raise ValueError(
-                f"max_blocks_per_row={width} is too small: some block row has {need} non-empty tiles; "
-                f"pass max_blocks_per_row >= {need} (or None)")
+        w = _list_width(need, width, n_cols)
         idx_p = np.zeros((flat.shape[0], n_rows, w), np.int32)
         idx_f = np.zeros((flat.shape[0], n_rows, w), np.int32)
         step = max(1, _LIST_CHUNK_ELEMENTS // n_cols)
@@ -624,11 +631,7 @@ def _coo_lists(coords, codes, Bm, Hm, nq, nkv, width):
         n_p = np.bincount(row_s[~full_s], minlength=total).astype(np.int32)
         n_f = np.bincount(row_s[full_s], minlength=total).astype(np.int32)
         need = int((n_p + n_f).max(initial=0))
-        w = max(1, need) if width is None else min(int(width), n_cols)
-        if need > w:
-            raise ValueError(
-                f"max_blocks_per_row={width} is too small: some block row has {need} non-empty tiles; "
-                f"pass max_blocks_per_row >= {need} (or None)")
+        w = _list_width(need, width, n_cols)
         # Sorted by (row, full, column): an entry's place in its list is its rank in the row.
         start = np.cumsum(n_p + n_f) - (n_p + n_f)
         pos = np.arange(row_s.size) - start[row_s] - np.where(full_s, n_p[row_s], 0)

@@ -261,12 +261,18 @@ def test_jvp_matches_dense(backend_kw):
         _close(lin(tangents[n]), jax.jvp(d1, (primals[n],), (tangents[n],))[1], 1e-4)
 
 
-def test_jvp_with_dropout_under_jit_and_vmap():
+def _dropout_case():
+    """q, the table, and (q, table) -> out with dropout 0.2: flexjax's and the dense one."""
     q, k, v, table = _inputs(6)
     rng = jax.random.key(11)
     keep = flexjax.dropout_mask(rng, 0.2, B, HQ, S, S)
     flex = lambda q, t: _flex(q, k, v, t, {"backend": "xla"}, dropout_rate=0.2, dropout_rng=rng)  # noqa: E731
     dense = lambda q, t: _dense(q, k, v, t, keep=keep, rate=0.2)[0]  # noqa: E731
+    return q, table, flex, dense
+
+
+def test_jvp_with_dropout_under_jit_and_vmap():
+    q, table, flex, dense = _dropout_case()
     tq, tt = jax.random.normal(jax.random.key(1), q.shape), jax.random.normal(jax.random.key(2), table.shape)
     _close(jax.jit(lambda a, b: jax.jvp(flex, (a, b), (tq, tt))[1])(q, table),
            jax.jvp(dense, (q, table), (tq, tt))[1], 1e-4)
@@ -279,11 +285,7 @@ def test_jvp_with_dropout_under_jit_and_vmap():
 @pytest.mark.slow
 def test_grad_under_jit_and_vmap_with_dropout():
     """jax.grad is the hand-written backward, under jit and vmap (per-example gradients)."""
-    q, k, v, table = _inputs(6)
-    rng = jax.random.key(11)
-    keep = flexjax.dropout_mask(rng, 0.2, B, HQ, S, S)
-    flex = lambda q, t: _flex(q, k, v, t, {"backend": "xla"}, dropout_rate=0.2, dropout_rng=rng)  # noqa: E731
-    dense = lambda q, t: _dense(q, k, v, t, keep=keep, rate=0.2)[0]  # noqa: E731
+    q, table, flex, dense = _dropout_case()
     g = jax.jit(jax.grad(lambda a: (flex(a, table) ** 2).sum()))(q)
     _close(g, jax.grad(lambda a: (dense(a, table) ** 2).sum())(q), 1e-4)
     per_example = jax.vmap(jax.grad(lambda a, t: (flex(a, t) ** 2).sum()), in_axes=(0, None))(q[None], table)

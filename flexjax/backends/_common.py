@@ -88,6 +88,20 @@ def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
     return lists_from_states(coarse, (min(nkc, fq * lists[1].shape[-1]), min(nqc, fk * lists[5].shape[-1])))
 
 
+def max_sum_row_stats(lse, residuals):
+    """(row max, log of the row sum), each (B, Hq, Sq) float32, from kernel residuals (max, sum).
+
+    The ``row_stats`` of the kernel backends (pallas, triton), whose forwards keep each
+    row's max and sum apart. The max is that of the row's modified, allowed scores (-inf on
+    a row with no allowed key); the sum is of exp(s - max), undropped (0 on such rows, so
+    its log is set to 0).
+    """
+    del lse
+    row_max, row_sum = residuals
+    alive = row_sum > 0
+    return jnp.where(alive, row_max, -jnp.inf), jnp.where(alive, jnp.log(jnp.where(alive, row_sum, 1.0)), 0.0)
+
+
 # Rows whose max score is at least this large in magnitude are recomputed in the kernels'
 # backward from their max and sum rather than from lse: in float32, lse = max + log(sum)
 # keeps log(sum) only to ulp(max) (at 2**12, 2.4e-4 relative in P; at 1e30, not at all).

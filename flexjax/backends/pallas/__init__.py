@@ -16,6 +16,7 @@ import numpy as np
 
 from ..._modcompiler import compile_mod
 from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, lse_of
+from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
 from . import _gpu, _tpu
 from ._layout import geometry, pad_axis, prologues, score_const_grads
 from ._tile import Mods
@@ -230,18 +231,6 @@ def _dropout_args(spec, dropout_seed) -> dict:
     if dropout_seed is None:
         raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
     return {"rate": rate, "seed": jnp.asarray(dropout_seed, jnp.uint32).reshape(2)}
-
-
-def row_stats(lse, residuals):
-    """(row max, log of the row sum) of the forward, each (B, Hq, Sq) float32.
-
-    The max is that of the row's modified, allowed scores (-inf on a row with no allowed
-    key); the sum is of exp(s - max), undropped (0 on such rows, so its log is set to 0).
-    """
-    del lse
-    row_max, row_sum = residuals
-    alive = row_sum > 0
-    return jnp.where(alive, row_max, -jnp.inf), jnp.where(alive, jnp.log(jnp.where(alive, row_sum, 1.0)), 0.0)
 
 
 def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
