@@ -95,9 +95,11 @@ def _resolve(spec) -> tuple[KernelOptions, int | None]:
 
 def unsupported_reason(spec, q, k, v):
     opts = spec.options
-    unknown = sorted(set(opts) - set(_FIELDS))
+    unknown = sorted(set(opts) - set(_FIELDS) - {"cpu_kernel"})
     if unknown:
-        return f"unknown kernel_options {unknown} for the xla backend; it takes {list(_FIELDS)}"
+        return f"unknown kernel_options {unknown} for the xla backend; it takes {[*_FIELDS, 'cpu_kernel']}"
+    if not isinstance(opts.get("cpu_kernel", True), bool):
+        raise ValueError(f"kernel_options['cpu_kernel'] must be a bool, got {opts['cpu_kernel']!r}")
     bq, bkv = spec.block_size
     for f in _FIELDS:
         val = opts.get(f)
@@ -478,6 +480,11 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     from . import _decode  # few queries (Sq <= 64): GQA rows packed, KV chunks merged by lse
     if _decode.serves(spec, q):
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+    from . import cpu  # the same forward as one fused C++ call (AVX-512 CPUs with a C++ compiler)
+    if cpu.reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) is None:
+        out, m, l = cpu.forward(spec, q, k, v, score_consts, mask_consts, lists)
+        lse, row_max, log_sum = stats_of_rows(m, l)
+        return out, lse, (row_max, log_sum)
     g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
     hkv = k.shape[2]
     skv_pad = max(g.nk * g.tk, band or 0)

@@ -1,0 +1,213 @@
+"""The xla backend's CPU kernel: its forward as one XLA FFI call into C++ (``kernel.cc``).
+
+XLA:CPU runs the xla backend's blockwise loops as many small ops, each costing tens of
+microseconds, so narrow bands of tiles are overhead-bound (BENCHMARKS.md, issue 15).
+This kernel runs the same algorithm (the BlockMask's partial tiles with mask_mod, then
+its full tiles, online softmax in float32) as fused C++ loops with AVX-512 vector code,
+both cores splitting the (batch, head, q block) rows through XLA's own thread pool.
+
+- ``kernel.cc`` is compiled once per machine with the system's C++ compiler (``$CXX``
+  or ``g++``) and cached under ``$FLEXJAX_CACHE_DIR`` (default ``~/.cache/flexjax``);
+- each mod becomes a tile function in C++ (``_codegen.py``), compiled into a small
+  library of its own and cached the same way; the kernel calls it through a pointer.
+
+The xla backend uses this kernel for its forward when ``usable()`` holds and the call
+fits (``reason()`` is None); otherwise it runs its own loops, which give the same
+result. The backward and forward-mode tangent stay the xla backend's.
+``FLEXJAX_CPU_KERNEL=0`` (or ``kernel_options={"cpu_kernel": False}``) turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _codegen
+
+_HERE = Path(__file__).resolve().parent
+_TARGET = "flexjax_cpu_forward"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fwrapv")
+_LOCK = threading.Lock()
+_LIBS: dict = {}  # keeps every loaded library (and so its function addresses) alive
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FLEXJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flexjax")
+    return Path(root) / "cpu"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_avx512() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " avx512f " in f" {line.strip()} "
+    except OSError:
+        return False
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_id(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+_WARNED: set = set()
+
+
+def _warn_once(msg: str):
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def enabled() -> bool:
+    """False when ``FLEXJAX_CPU_KERNEL=0``."""
+    return os.environ.get("FLEXJAX_CPU_KERNEL", "1") not in ("0", "false", "False", "")
+
+
+def usable() -> bool:
+    """Whether this machine can run the kernel: enabled, an x86-64 CPU with AVX-512 and a C++ compiler.
+
+    Without a compiler (or AVX-512) the xla backend's loops run instead, and a
+    RuntimeWarning says so once.
+    """
+    if not enabled():
+        return False
+    if not _cpu_has_avx512():
+        return False
+    if _compiler() is None:
+        _warn_once("flexjax: no C++ compiler found (set $CXX or install g++); the xla backend runs its "
+                   "slower XLA loops on CPU instead of its C++ kernel")
+        return False
+    try:
+        _kernel()
+    except RuntimeError as e:
+        _warn_once(f"flexjax: building the CPU kernel failed, the xla backend runs its XLA loops instead: {e}")
+        return False
+    return True
+
+
+def _build(source: str, name: str) -> Path:
+    """Compiles ``source`` into a shared library (cached by a digest of source, compiler and flags)."""
+    cxx = _compiler()
+    include = jax.ffi.include_dir()
+    digest = hashlib.sha256("\n".join([source, cxx, _compiler_id(cxx), " ".join(_FLAGS), include,
+                                       jax.__version__]).encode()).hexdigest()[:24]
+    out_dir = _cache_dir()
+    out = out_dir / f"{name}-{digest}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / f"{name}.cc"
+        src.write_text(source)
+        lib = Path(tmp) / f"{name}.so"
+        cmd = [cxx, *_FLAGS, f"-I{include}", str(src), "-o", str(lib)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+        os.replace(lib, out)  # atomic: concurrent builders each write their own temporary
+    return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    key = str(path)
+    if key not in _LIBS:
+        _LIBS[key] = ctypes.CDLL(key)
+    return _LIBS[key]
+
+
+def _kernel():
+    """The forward kernel's library, built and registered with XLA on first use."""
+    with _LOCK:
+        if "kernel" in _LIBS:
+            return _LIBS["kernel"]
+        lib = _load(_build((_HERE / "kernel.cc").read_text(), "kernel"))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.FlexjaxCpuForward), platform="cpu")
+        _LIBS["kernel"] = lib
+        return lib
+
+
+def _mod_address(mod, consts) -> int:
+    """Address of ``mod``'s generated tile function (0 for no mod)."""
+    if mod is None:
+        return 0
+    avals = tuple(jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts)
+    gen = _codegen.generate(mod, avals)
+    with _LOCK:
+        lib = _load(_build(gen.source, "mod"))
+    return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
+
+
+_COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None:
+    """Why this call cannot run in the kernel, or None when it can (builds the mods' C++)."""
+    if spec.options.get("cpu_kernel", True) is False:
+        return "kernel_options cpu_kernel=False"
+    if any(spec.options.get(f) for f in ("block_q", "block_kv")):
+        return "explicit forward tiles in kernel_options"
+    if jax.default_backend() != "cpu":
+        return "not on CPU"
+    if dropout_seed is not None and spec.dropout_rate:
+        return "dropout"
+    if any(x.dtype not in _COMPUTE_DTYPES for x in (q, k, v)):
+        return "dtype"
+    if v.shape[-1] % 16:
+        return "the value head dim is not a multiple of 16"
+    if not usable():
+        return "no kernel on this machine"
+    try:
+        _mod_address(spec.score, score_consts)
+        _mod_address(spec.mask, mask_consts)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def forward(spec, q, k, v, score_consts, mask_consts, lists):
+    """out (B, Sq, Hq, Dv) in q's dtype and each row's running max and sum (B, Hq, Sq) float32."""
+    B, Sq, Hq, _ = q.shape
+    Dv = v.shape[-1]
+    score_fn = _mod_address(spec.score, score_consts)
+    mask_fn = _mod_address(spec.mask, mask_consts)
+    kv_n, kv_i, fkv_n, fkv_i = (jnp.asarray(x, jnp.int32) for x in lists[:4])
+    consts = [*score_consts, *mask_consts] if spec.score is not None else [*mask_consts]
+    n_score = len(score_consts) if spec.score is not None else 0
+    if spec.mask is None:
+        consts = consts[:n_score]
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    outs = (jax.ShapeDtypeStruct((B, Sq, Hq, Dv), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
+    call = jax.ffi.ffi_call(_TARGET, outs, vmap_method="sequential")
+    out, m, l = call(f32(q), f32(k), f32(v), kv_n, kv_i, fkv_n, fkv_i, *consts,
+                     scale=np.float32(spec.scale), block_q=np.int64(spec.block_size[0]),
+                     block_kv=np.int64(spec.block_size[1]), kv_len=np.int64(spec.kv_len),
+                     score_fn=np.int64(score_fn), mask_fn=np.int64(mask_fn), n_score_consts=np.int64(n_score))
+    return out.astype(q.dtype), m, l

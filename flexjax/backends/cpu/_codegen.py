@@ -1,0 +1,584 @@
+"""C++ for a mod: one function that rewrites a transposed score tile in place.
+
+The CPU kernel (``kernel.cc``) holds a score tile as ``s[c * ld + r]``: kv position
+``kv0 + c``, query row ``q0 + r``. A generated function walks the tile's kv positions and,
+for each, its query rows 16 at a time (GCC vector extensions, one lane per query row).
+Every node of the mod's jaxpr becomes one C++ statement. Values that depend only on
+``b``, ``h``, ``kv_idx`` and captured scalars are *uniform* over the lanes: they are
+computed as scalars once per kv position, outside the lane loop. The others (anything
+reading ``score`` or ``q_idx``) are 16-lane vectors. Captured arrays are read at clamped
+indices, as XLA's ``dynamic_slice`` and ``gather`` do.
+
+- score mods: ``s = score_mod(s, b, h, q_idx, kv_idx)`` in float32;
+- mask mods: ``s = mask_mod(b, h, q_idx, kv_idx) ? s : -inf``.
+
+A primitive or dtype without a translation raises ``NotImplementedError`` naming it; the
+xla backend then runs its own loops instead (the same result, without this kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..._modcompiler import Lit, _Flattener, _open
+from ..._trace import StaticMod
+
+# Identity on values with one element per position (the mod has scalar semantics).
+_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
+                         "reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or", "transpose",
+                         "optimization_barrier", "stop_gradient"})
+_ARITH = {"add": "+", "add_any": "+", "sub": "-", "mul": "*"}
+_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_BITS = {"and": "&", "or": "|", "xor": "^"}
+# Unary float functions: (scalar C++ function, vector helper or None for a lane loop).
+_UNARY = {"exp": ("fj_exp", "fj_vexp"), "log": ("logf", None), "tanh": ("fj_tanh", "fj_vtanh"),
+          "logistic": ("fj_logistic", "fj_vlogistic"), "log1p": ("log1pf", None), "expm1": ("expm1f", None),
+          "sin": ("sinf", None), "cos": ("cosf", None), "erf": ("erff", None), "sqrt": ("sqrtf", None),
+          "floor": ("floorf", None), "ceil": ("ceilf", None), "exp2": ("exp2f", None),
+          "rsqrt": ("fj_rsqrt", None), "abs": ("fabsf", None)}
+
+_C_SCALAR = {"float32": "float", "int32": "int32_t", "uint32": "uint32_t", "bool": "bool"}
+_C_VECTOR = {"float32": "v16", "int32": "vi16", "uint32": "vu16", "bool": "vi16"}
+_C_POINTER = {"float32": "const float*", "int32": "const int32_t*", "uint32": "const uint32_t*",
+              "bool": "const uint8_t*"}
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <climits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+static inline v16 fj_ld(const float* p) { return *(const v16u*)p; }
+static inline void fj_st(float* p, v16 x) { *(v16u*)p = x; }
+static inline v16 fj_f(float x) { v16 r; for (int i = 0; i < 16; ++i) r[i] = x; return r; }
+static inline vi16 fj_i(int32_t x) { vi16 r; for (int i = 0; i < 16; ++i) r[i] = x; return r; }
+static inline vu16 fj_u(uint32_t x) { vu16 r; for (int i = 0; i < 16; ++i) r[i] = x; return r; }
+static inline vi16 fj_b(bool x) { return fj_i(x ? -1 : 0); }
+static inline v16 fj_vexp(v16 x) {
+  const float hi = 88.72283935546875f, lo = -87.33654022216797f;
+  v16 xc = x > hi ? fj_f(hi) : x;
+  xc = xc < lo ? fj_f(lo) : xc;
+  v16 t = xc * 1.44269504088896341f;
+  v16 n = (t + 12582912.0f) - 12582912.0f;
+  v16 r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = fj_f(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &e, sizeof(e));
+  v16 y = p * two_n;
+  y = x < lo ? fj_f(0.0f) : y;
+  y = x > hi ? fj_f(INFINITY) : y;
+  return x != x ? x : y;
+}
+static inline float fj_exp(float x) { return expf(x); }
+// |x| < 0.3: odd Taylor series to x^13; beyond, (1 - t) / (1 + t) with t = exp(-2|x|).
+static inline v16 fj_vtanh(v16 x) {
+  v16 x2 = x * x;
+  v16 small = x * (1.0f + x2 * (-0.3333333333333333f + x2 * (0.13333333333333333f + x2 * (-0.05396825396825397f
+              + x2 * (0.021869488536155203f + x2 * (-0.008863235529902197f + x2 * 0.003592128036572481f))))));
+  v16 ax = x < 0.0f ? -x : x;
+  v16 t = fj_vexp(-2.0f * ax);
+  v16 big = (1.0f - t) / (1.0f + t);
+  v16 r = ax < 0.3f ? small : (x < 0.0f ? -big : big);
+  return x != x ? x : r;
+}
+static inline float fj_tanh(float x) { return tanhf(x); }
+static inline v16 fj_vlogistic(v16 x) { return 1.0f / (1.0f + fj_vexp(-x)); }
+static inline float fj_logistic(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float fj_rsqrt(float x) { return 1.0f / sqrtf(x); }
+static inline float fj_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+static inline float fj_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+static inline v16 fj_vmax(v16 a, v16 b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+static inline v16 fj_vmin(v16 a, v16 b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+static inline int32_t fj_f2i(float x) {
+  return x != x ? 0 : (x >= 2147483648.0f ? INT_MAX : (x < -2147483648.0f ? INT_MIN : (int32_t)x));
+}
+static inline vi16 fj_vf2i(v16 x) {
+  v16 c = x != x ? fj_f(0.0f) : x;
+  c = c > 2147483520.0f ? fj_f(2147483520.0f) : c;
+  c = c < -2147483648.0f ? fj_f(-2147483648.0f) : c;
+  vi16 r = __builtin_convertvector(c, vi16);
+  return x >= 2147483648.0f ? fj_i(INT_MAX) : r;
+}
+static inline int32_t fj_idiv(int32_t a, int32_t b) {
+  return b == 0 ? -1 : ((a == INT_MIN && b == -1) ? INT_MIN : a / b);
+}
+static inline int32_t fj_irem(int32_t a, int32_t b) {
+  return b == 0 ? a : ((a == INT_MIN && b == -1) ? 0 : a % b);
+}
+static inline uint32_t fj_udiv(uint32_t a, uint32_t b) { return b == 0 ? 0xFFFFFFFFu : a / b; }
+static inline uint32_t fj_urem(uint32_t a, uint32_t b) { return b == 0 ? a : a % b; }
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedMod:
+    """C++ source of one mod's tile function.
+
+    Attributes:
+      source: a translation unit (``PRELUDE`` included) that defines ``symbol``.
+      symbol: the ``extern "C"`` function's name.
+      key: a digest of the source.
+    """
+
+    source: str
+    symbol: str
+    key: str
+
+
+class _Val:
+    """A C++ expression: its text, whether it is a 16-lane vector, its dtype name."""
+
+    __slots__ = ("text", "vec", "dtype")
+
+    def __init__(self, text, vec, dtype):
+        self.text, self.vec, self.dtype = text, vec, dtype
+
+
+def _dtype_name(aval_or_dtype) -> str:
+    dtype = getattr(aval_or_dtype, "dtype", aval_or_dtype)
+    return jnp.dtype(dtype).name
+
+
+class _Emitter:
+    def __init__(self, mod: StaticMod):
+        self.mod = mod
+        self.outer: list[str] = []  # once per kv position
+        self.inner: list[str] = []  # once per 16 query rows
+        self.count = 0
+
+    def unsupported(self, what: str):
+        return NotImplementedError(f"the cpu kernel has no C++ translation for {what} in mod {self.mod.name!r}")
+
+    def check_dtype(self, name: str):
+        if name not in _C_SCALAR:
+            raise self.unsupported(f"dtype {name}")
+        return name
+
+    def assign(self, text: str, vec: bool, dtype: str) -> _Val:
+        self.check_dtype(dtype)
+        name = f"v{self.count}"
+        self.count += 1
+        ctype = _C_VECTOR[dtype] if vec else _C_SCALAR[dtype]
+        (self.inner if vec else self.outer).append(f"{ctype} {name} = {text};")
+        return _Val(name, vec, dtype)
+
+    def literal(self, val) -> _Val:
+        arr = np.asarray(val)
+        name = self.check_dtype(arr.dtype.name)
+        x = arr.reshape(())
+        if name == "bool":
+            return _Val("true" if bool(x) else "false", False, name)
+        if name == "float32":
+            f = float(x)
+            text = "NAN" if np.isnan(f) else ("INFINITY" if f == np.inf else ("(-INFINITY)" if f == -np.inf
+                                                                              else f"{f!r}f"))
+            return _Val(text, False, name)
+        if name == "uint32":
+            return _Val(f"((uint32_t){int(x)}u)", False, name)
+        return _Val(f"((int32_t){int(x)})", False, name)
+
+    def vec(self, v: _Val) -> str:
+        """``v`` as a vector expression (scalars broadcast)."""
+        if v.vec:
+            return v.text
+        return {"float32": "fj_f", "int32": "fj_i", "uint32": "fj_u", "bool": "fj_b"}[v.dtype] + f"({v.text})"
+
+    def as_mask(self, v: _Val) -> str:
+        """A bool value as a vector lane mask (-1 / 0)."""
+        return self.vec(v)
+
+
+def _lane_loop(em: _Emitter, fn: str, args: list[str], dtype: str) -> _Val:
+    """A vector computed lane by lane with a scalar function."""
+    name = f"v{em.count}"
+    em.count += 1
+    ctype = _C_VECTOR[dtype]
+    lanes = ", ".join(f"{a}[_l]" for a in args)
+    em.inner.append(f"{ctype} {name}; for (int _l = 0; _l < 16; ++_l) {name}[_l] = {fn}({lanes});")
+    return _Val(name, True, dtype)
+
+
+def _op(em: _Emitter, node, ins: list[_Val]) -> _Val:
+    name = node.prim.name
+    out = em.check_dtype(_dtype_name(node.out_avals[0]))
+    vec = any(v.vec for v in ins)
+    fl = ins[0].dtype == "float32" if ins else False
+
+    def args():
+        return [em.vec(v) if vec else v.text for v in ins]
+
+    if name in _ARITH:
+        a, b = args()
+        if out == "bool":
+            raise em.unsupported(f"primitive {name!r} on booleans")
+        return em.assign(f"({a} {_ARITH[name]} {b})", vec, out)
+    if name in _CMP:
+        a, b = args()
+        if ins[0].dtype == "bool" and not vec:
+            return em.assign(f"((int)({a}) {_CMP[name]} (int)({b}))", vec, out)
+        return em.assign(f"({a} {_CMP[name]} {b})", vec, out)
+    if name in _BITS:
+        a, b = args()
+        return em.assign(f"({a} {_BITS[name]} {b})", vec, out)
+    if name == "not":
+        (a,) = args()
+        if out == "bool":
+            return em.assign(f"(~{a})" if vec else f"(!{a})", vec, out)
+        return em.assign(f"(~{a})", vec, out)
+    if name == "neg":
+        (a,) = args()
+        return em.assign(f"(-{a})", vec, out)
+    if name == "div":
+        a, b = args()
+        if fl:
+            return em.assign(f"({a} / {b})", vec, out)
+        fn = "fj_udiv" if out == "uint32" else "fj_idiv"
+        return _lane_loop(em, fn, [a, b], out) if vec else em.assign(f"{fn}({a}, {b})", vec, out)
+    if name == "rem":
+        a, b = args()
+        fn = "fmodf" if fl else ("fj_urem" if out == "uint32" else "fj_irem")
+        return _lane_loop(em, fn, [a, b], out) if vec else em.assign(f"{fn}({a}, {b})", vec, out)
+    if name in ("max", "min"):
+        a, b = args()
+        if out == "bool":
+            return em.assign(f"({a} {'|' if name == 'max' else '&'} {b})", vec, out)
+        if fl:
+            fn = ("fj_vmax" if vec else "fj_max") if name == "max" else ("fj_vmin" if vec else "fj_min")
+            return em.assign(f"{fn}({a}, {b})", vec, out)
+        cmp = ">" if name == "max" else "<"
+        return em.assign(f"(({a} {cmp} {b}) ? {a} : {b})", vec, out)
+    if name == "clamp":
+        lo, x, hi = args()
+        if _dtype_name(node.in_avals[1]) == "float32":
+            return em.assign(f"{'fj_vmin' if vec else 'fj_min'}({'fj_vmax' if vec else 'fj_max'}({x}, {lo}), {hi})",
+                             vec, out)
+        t = em.assign(f"(({x} < {lo}) ? {lo} : {x})", vec, out)
+        return em.assign(f"(({t.text} > {hi}) ? {hi} : {t.text})", vec, out)
+    if name == "abs" and not fl:
+        (a,) = args()
+        return em.assign(f"(({a} < 0) ? -{a} : {a})", vec, out)
+    if name in _UNARY:
+        if not fl:
+            raise em.unsupported(f"primitive {name!r} on {ins[0].dtype}")
+        scalar_fn, vec_fn = _UNARY[name]
+        (a,) = args()
+        if not vec:
+            return em.assign(f"{scalar_fn}({a})", vec, out)
+        if vec_fn is not None:
+            return em.assign(f"{vec_fn}({a})", vec, out)
+        return _lane_loop(em, scalar_fn, [a], out)
+    if name == "sign":
+        (a,) = args()
+        if fl:
+            if vec:
+                return em.assign(f"(({a} > 0.0f) ? fj_f(1.0f) : (({a} < 0.0f) ? fj_f(-1.0f) : {a}))", vec, out)
+            return em.assign(f"(({a} > 0.0f) ? 1.0f : (({a} < 0.0f) ? -1.0f : {a}))", vec, out)
+        if vec:
+            return em.assign(f"(({a} > 0) ? fj_i(1) : (({a} < 0) ? fj_i(-1) : fj_i(0)))", vec, out)
+        return em.assign(f"(({a} > 0) ? 1 : (({a} < 0) ? -1 : 0))", vec, out)
+    if name == "is_finite":
+        (a,) = args()
+        if vec:
+            return em.assign(f"(({a} == {a}) & ({a} != INFINITY) & ({a} != -INFINITY))", vec, out)
+        return em.assign(f"std::isfinite({a})", vec, out)
+    if name in ("integer_pow", "square"):
+        y = node.params["y"] if name == "integer_pow" else 2
+        return _int_pow(em, ins[0], y, vec, out)
+    if name == "pow":
+        if not fl or ins[1].dtype != "float32":
+            raise em.unsupported("primitive 'pow' on integers")
+        a, b = args()
+        return _lane_loop(em, "powf", [a, b], out) if vec else em.assign(f"powf({a}, {b})", vec, out)
+    if name in ("shift_left", "shift_right_arithmetic", "shift_right_logical"):
+        a, b = args()
+        if name == "shift_right_logical" and out == "int32":
+            cast = "(vu16)" if vec else "(uint32_t)"
+            back = "(vi16)" if vec else "(int32_t)"
+            return em.assign(f"{back}({cast}({a}) >> {cast}({b}))", vec, out)
+        op = "<<" if name == "shift_left" else ">>"
+        return em.assign(f"({a} {op} {b})", vec, out)
+    if name == "select_n":
+        pred, *cases = ins
+        if not vec:
+            if pred.dtype == "bool":
+                return em.assign(f"({pred.text} ? {cases[1].text} : {cases[0].text})", vec, out)
+            expr = cases[-1].text
+            for i in range(len(cases) - 2, -1, -1):
+                expr = f"(({pred.text} == {i}) ? {cases[i].text} : {expr})"
+            return em.assign(expr, vec, out)
+        c = [em.vec(x) for x in cases]
+        if pred.dtype == "bool":
+            return em.assign(f"({em.vec(pred)} ? {c[1]} : {c[0]})", vec, out)
+        p = em.vec(pred)
+        expr = c[-1]
+        for i in range(len(c) - 2, -1, -1):
+            expr = f"(({p} == {i}) ? {c[i]} : {expr})"
+        return em.assign(expr, vec, out)
+    if name == "convert_element_type":
+        (a,) = args()
+        src = ins[0].dtype
+        if src == out:
+            return ins[0]
+        if out == "bool":
+            return em.assign(f"({a} != 0)", vec, out)
+        if src == "bool":
+            one = {"float32": "1.0f", "int32": "1", "uint32": "1u"}[out]
+            zero = {"float32": "0.0f", "int32": "0", "uint32": "0u"}[out]
+            if vec:
+                return em.assign(f"({a} ? {em.vec(_Val(one, False, out))} : {em.vec(_Val(zero, False, out))})", vec,
+                                 out)
+            return em.assign(f"({a} ? {one} : {zero})", vec, out)
+        if src == "float32" and out == "int32":
+            return em.assign(f"{'fj_vf2i' if vec else 'fj_f2i'}({a})", vec, out)
+        if src == "float32" and out == "uint32":
+            raise em.unsupported("a float to uint32 conversion")
+        if vec:
+            return em.assign(f"__builtin_convertvector({a}, {_C_VECTOR[out]})", vec, out)
+        return em.assign(f"(({_C_SCALAR[out]})({a}))", vec, out)
+    raise em.unsupported(f"primitive {name!r}")
+
+
+def _int_pow(em, x: _Val, y: int, vec: bool, out: str) -> _Val:
+    if y == 0:
+        return em.literal(np.asarray(1, dtype=out))
+    acc, base, n = None, x, abs(y)
+    while n:
+        if n & 1:
+            acc = base if acc is None else em.assign(f"({acc.text} * {base.text})", vec, out)
+        n >>= 1
+        if n:
+            base = em.assign(f"({base.text} * {base.text})", vec, out)
+    if y < 0:
+        if out != "float32":
+            raise em.unsupported("a negative integer_pow of an integer")
+        return em.assign(f"(1.0f / {acc.text})", vec, out)
+    return acc
+
+
+def _clamped_index(em: _Emitter, v: _Val, n: int) -> _Val:
+    if v.dtype not in ("int32", "uint32"):
+        raise em.unsupported(f"an array index of dtype {v.dtype}")
+    if v.dtype == "uint32":
+        v = em.assign(f"(({v.text} > {n - 1}u) ? {em.vec(_Val(f'{n - 1}u', False, 'uint32')) if v.vec else f'{n - 1}u'}"
+                      f" : {v.text})", v.vec, "uint32")
+        return em.assign(f"__builtin_convertvector({v.text}, vi16)" if v.vec else f"((int32_t){v.text})", v.vec,
+                         "int32")
+    lo = em.assign(f"(({v.text} < 0) ? {em.vec(_Val('0', False, 'int32')) if v.vec else '0'} : {v.text})", v.vec,
+                   "int32")
+    hi = _Val(str(n - 1), False, "int32")
+    return em.assign(f"(({lo.text} > {n - 1}) ? {em.vec(hi) if v.vec else hi.text} : {lo.text})", v.vec, "int32")
+
+
+def _read(em: _Emitter, node, env, arrays: dict) -> _Val:
+    operand = node.ins[0]
+    if isinstance(operand, Lit) or operand not in arrays:
+        raise em.unsupported(f"a read ({node.prim.name!r}) from a value that is not a captured array")
+    shape = node.in_avals[0].shape
+    ptr, dtype = arrays[operand]
+    out = em.check_dtype(_dtype_name(node.out_avals[0]))
+    fill = None
+    if node.prim.name == "dynamic_slice":
+        if any(s != 1 for s in node.params["slice_sizes"]):
+            raise em.unsupported("a dynamic_slice of more than one element")
+        raw = [_value(em, s, env) for s in node.ins[1:]]
+    else:
+        dn = node.params["dimension_numbers"]
+        nd = len(shape)
+        if dn.offset_dims or sorted(dn.collapsed_slice_dims) != list(range(nd)) or dn.operand_batching_dims:
+            raise em.unsupported("a gather that is not a one-element read")
+        comps = _value(em, node.ins[1], env)
+        comps = comps if isinstance(comps, list) else [comps]
+        raw = [None] * nd
+        for c, d in zip(comps, dn.start_index_map):
+            raw[d] = c
+        raw = [r if r is not None else _Val("0", False, "int32") for r in raw]
+        if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+            fv = node.params["fill_value"]
+            if fv is None:
+                fv = np.nan if out == "float32" else 0
+            inside = None
+            for r, n in zip(raw, shape):
+                t = em.assign(f"(({r.text} >= 0) & ({r.text} < {n}))" if r.vec
+                              else f"(({r.text} >= 0) && ({r.text} < {n}))", r.vec, "bool")
+                inside = t if inside is None else em.assign(
+                    f"({em.vec(inside) if t.vec else inside.text} {'&' if t.vec or inside.vec else '&&'} "
+                    f"{em.vec(t) if inside.vec else t.text})", t.vec or inside.vec, "bool")
+            fill = (inside, em.literal(np.asarray(fv, dtype=out)))
+    idx = [_clamped_index(em, r, n) for r, n in zip(raw, shape)]
+    flat = idx[0]
+    for i, n in zip(idx[1:], shape[1:]):
+        vec = flat.vec or i.vec
+        a = em.vec(flat) if vec else flat.text
+        b = em.vec(i) if vec else i.text
+        flat = em.assign(f"({a} * {n} + {b})", vec, "int32")
+    load = f"{ptr}[{{}}]" if dtype != "bool" else f"({ptr}[{{}}] != 0)"
+    if flat.vec:
+        if out == "bool":
+            val = _lane_loop(em, "", [], "bool")  # placeholder, filled below
+            em.inner[-1] = (f"vi16 {val.text}; for (int _l = 0; _l < 16; ++_l) {val.text}[_l] = "
+                            f"{load.format(flat.text + '[_l]')} ? -1 : 0;")
+        else:
+            val = _lane_loop(em, "", [], out)
+            em.inner[-1] = (f"{_C_VECTOR[out]} {val.text}; for (int _l = 0; _l < 16; ++_l) {val.text}[_l] = "
+                            f"{load.format(flat.text + '[_l]')};")
+    else:
+        val = em.assign(load.format(flat.text), False, out)
+    if fill is not None:
+        inside, fv = fill
+        vec = val.vec or inside.vec
+        if vec:
+            val = em.assign(f"({em.vec(inside)} ? {em.vec(val)} : {em.vec(fv)})", True, out)
+        else:
+            val = em.assign(f"({inside.text} ? {val.text} : {fv.text})", False, out)
+    return val
+
+
+def _value(em: _Emitter, x, env):
+    if isinstance(x, Lit):
+        arr = np.asarray(x.val)
+        if arr.size != 1:
+            return [em.literal(v) for v in arr.reshape(-1)]
+        return em.literal(arr)
+    return env[x]
+
+
+def _emit_nodes(em: _Emitter, nodes, env, arrays):
+    for node in nodes:
+        name = node.prim.name
+        if name in ("dynamic_slice", "gather"):
+            env[node.outs[0]] = _read(em, node, env, arrays)
+            continue
+        if name == "custom_jvp_call":
+            sub, consts = _open(node.params["call_jaxpr"])
+            fl = _Flattener(em.mod.name, "xla")
+            sub_ins = [fl.new(v.aval) for v in sub.invars]
+            outs = fl.run(sub, [fl._const(c) for c in consts] + sub_ins, [*sub.constvars, *sub.invars])
+            sub_env = {i: _value(em, x, env) for i, x in zip(sub_ins, node.ins)}
+            _emit_nodes(em, fl.nodes, sub_env, {})
+            for o, r in zip(node.outs, outs):
+                env[o] = _value(em, r, sub_env)
+            continue
+        ins = [_value(em, x, env) for x in node.ins]
+        if name == "concatenate":
+            env[node.outs[0]] = [c for v in ins for c in (v if isinstance(v, list) else [v])]
+            continue
+        if name in _SHAPE_ONLY:
+            env[node.outs[0]] = ins[0]
+            continue
+        if any(isinstance(v, list) for v in ins):
+            n = max(len(v) for v in ins if isinstance(v, list))
+            env[node.outs[0]] = [_op(em, node, [v[i] if isinstance(v, list) else v for v in ins]) for i in range(n)]
+            continue
+        if len(node.outs) != 1:
+            raise em.unsupported(f"primitive {name!r} with several results")
+        env[node.outs[0]] = _op(em, node, ins)
+
+
+_CACHE: dict = {}
+
+
+def generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
+    """The C++ tile function of ``mod`` whose captured arrays have ``const_avals``; cached.
+
+    Raises:
+      NotImplementedError: naming the first primitive, dtype or read without a translation.
+    """
+    key = (mod, tuple((a.shape, _dtype_name(a)) for a in const_avals))
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = _generate(mod, const_avals)
+        except NotImplementedError as e:
+            _CACHE[key] = e
+    got = _CACHE[key]
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def _generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
+    jaxpr = mod.jaxpr
+    fl = _Flattener(mod.name, "xla")
+    ins = [fl.new(v.aval) for v in jaxpr.invars]
+    (out,) = fl.run(jaxpr, ins)
+    consts, args = ins[: mod.num_consts], ins[mod.num_consts:]
+    em = _Emitter(mod)
+    env: dict = {}
+    arrays: dict = {}
+    decls = []
+    for k, (c, aval) in enumerate(zip(consts, const_avals)):
+        dtype = _dtype_name(aval)
+        if dtype not in _C_POINTER:
+            raise em.unsupported(f"a captured array of dtype {dtype}")
+        decls.append(f"{_C_POINTER[dtype]} __restrict a{k} = ({_C_POINTER[dtype]})arrays[{k}];")
+        arrays[c] = (f"a{k}", dtype)
+        if int(np.prod(aval.shape)) == 1:
+            env[c] = em.assign(f"a{k}[0] != 0" if dtype == "bool" else f"a{k}[0]", False, dtype)
+    names = ("score", "b", "h", "q_idx", "kv_idx") if mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
+    for a, n in zip(args, names):
+        dtype = _dtype_name(fl.avals[a])
+        want = "float32" if n == "score" else "int32"
+        if dtype != want:
+            raise em.unsupported(f"argument {n} of dtype {dtype}")
+    arg = dict(zip(names, args))
+    env[arg["b"]] = _Val("b", False, "int32")
+    env[arg["h"]] = _Val("h", False, "int32")
+    env[arg["kv_idx"]] = _Val("kv_idx", False, "int32")
+    env[arg["q_idx"]] = _Val("q_idx", True, "int32")
+    if mod.kind == "score":
+        env[arg["score"]] = _Val("score", True, "float32")
+    _emit_nodes(em, fl.nodes, env, arrays)
+    res = _value(em, out, env)
+    if isinstance(res, list):
+        raise em.unsupported("a mod whose result is not one value per position")
+    symbol = "fj_" + hashlib.sha256(f"{mod.key}|{const_avals}".encode()).hexdigest()[:20]
+    if mod.kind == "score":
+        if res.dtype == "float32":
+            result = em.vec(res)
+        elif res.dtype == "bool":
+            result = f"({em.vec(res)} ? fj_f(1.0f) : fj_f(0.0f))"
+        else:
+            result = f"__builtin_convertvector({em.vec(res)}, v16)"
+        store = f"fj_st(p, {result});"
+    else:
+        ok = em.vec(res) if res.dtype == "bool" else f"({em.vec(res)} != 0)"
+        store = f"fj_st(p, {ok} ? fj_ld(p) : fj_f(-INFINITY));"
+    body = [
+        f'extern "C" void {symbol}(float* s, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0, '
+        "const void* const* arrays) {",
+        *("  " + d for d in decls),
+        "  (void)b; (void)h; (void)arrays;",
+        "  vi16 iota; for (int _l = 0; _l < 16; ++_l) iota[_l] = _l;",
+        "  for (int c = 0; c < nc; ++c) {",
+        "    const int32_t kv_idx = kv0 + c; (void)kv_idx;",
+        *("    " + line for line in em.outer),
+        "    for (int r = 0; r < nr; r += 16) {",
+        "      float* p = s + (int64_t)c * ld + r;",
+        "      const vi16 q_idx = (q0 + r) + iota; (void)q_idx;",
+        "      const v16 score = fj_ld(p); (void)score;" if mod.kind == "score" else "",
+        *("      " + line for line in em.inner),
+        f"      {store}",
+        "    }",
+        "  }",
+        "}",
+    ]
+    source = PRELUDE + "\n".join(line for line in body if line) + "\n"
+    return GeneratedMod(source=source, symbol=symbol, key=hashlib.sha256(source.encode()).hexdigest()[:16])

@@ -1,0 +1,334 @@
+// flexjax's CPU forward kernel: block-sparse FlashAttention-2 over a BlockMask's tile lists,
+// called from XLA through its FFI. Built on first use by flexjax/backends/cpu/_build.py.
+//
+// The mods are not in this file: the mod compiler's C++ generator (_codegen.py) builds them
+// into a small shared library of their own, and their addresses arrive as attributes. Each
+// mod function rewrites one score tile in place.
+//
+// Layout: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv), out (B, Sq, Hq, Dv),
+// float32, read in place. A score tile is held transposed, St[c][r] (kv position c, query
+// row r), so that one query tile's rows are the vector lanes: the softmax's row max and
+// row sum are lane-wise, and only the (D, rows) query tile is ever transposed (once per
+// q block), never the keys.
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline v16 ld(const float* p) { return *(const v16u*)p; }
+static inline void st(float* p, v16 x) { *(v16u*)p = x; }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline v16 splat(float x) { return (v16)_mm512_set1_ps(x); }
+#else
+// x - 0 is x for every x (unlike 0 + x, which turns -0 into +0), so the compiler emits a
+// plain broadcast.
+static inline v16 splat(float x) { return x - (v16){}; }
+#endif
+
+// exp of 16 lanes: 2^n * e^r with |r| <= ln2/2, a degree-6 polynomial (Cephes' expf
+// coefficients); 0 below -87.34 (and for -inf), inf above 88.72, NaN stays NaN.
+static inline v16 vexp(v16 x) {
+  const v16 hi = splat(88.72283935546875f), lo = splat(-87.33654022216797f);
+  v16 xc = x > hi ? hi : x;
+  xc = xc < lo ? lo : xc;
+  v16 t = xc * 1.44269504088896341f;
+  v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  v16 r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &e, sizeof(e));
+  v16 y = p * two_n;
+  y = x < lo ? splat(0.0f) : y;
+  y = x > hi ? splat(INFINITY) : y;
+  y = x != x ? x : y;
+  return y;
+}
+
+using ModFn = void (*)(float* s, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0,
+                       const void* const* arrays);
+
+// St[c][r] = sum_d K[c][d] * Qt[d][r] for c in [c0, c0 + MR), r in [r0, r0 + 16 NV).
+template <int MR, int NV>
+static inline void qk_block(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int ldS,
+                            int c0, int r0) {
+  v16 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = splat(0.0f);
+  const float* krow[MR];
+  for (int i = 0; i < MR; ++i) krow[i] = K + (int64_t)(c0 + i) * ks;
+  for (int d = 0; d < D; ++d) {
+    v16 qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = ld(Qt + (int64_t)d * ldq + r0 + 16 * j);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      v16 kb = splat(krow[i][d]);
+      for (int j = 0; j < NV; ++j) acc[i][j] += kb * qv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) st(St + (int64_t)(c0 + i) * ldS + r0 + 16 * j, acc[i][j]);
+}
+
+template <int NV>
+static void qk_cols(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int ldS, int nc, int r0) {
+  constexpr int MR = NV == 4 ? 6 : (NV == 2 ? 8 : 12);
+  int c = 0;
+  for (; c + MR <= nc; c += MR) qk_block<MR, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
+  for (; c + 4 <= nc; c += 4) qk_block<4, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
+  for (; c < nc; ++c) qk_block<1, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
+}
+
+// The transposed score tile of kv rows [0, nc) and query lanes [0, nrp).
+static void qk_tile(const float* K, int64_t ks, const float* Qt, int D, float* St, int nc, int nrp) {
+  int r = 0;
+  for (; r + 64 <= nrp; r += 64) qk_cols<4>(K, ks, Qt, nrp, D, St, nrp, nc, r);
+  for (; r + 32 <= nrp; r += 32) qk_cols<2>(K, ks, Qt, nrp, D, St, nrp, nc, r);
+  for (; r < nrp; r += 16) qk_cols<1>(K, ks, Qt, nrp, D, St, nrp, nc, r);
+}
+
+// O[r][v0 + 16 j] += sum_c P[c][r] V[c][v0 + 16 j] for r in [r0, r0 + MR).
+template <int MR, int NV>
+static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs, int nc, float* O, int ldo,
+                            int r0, int v0) {
+  v16 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j);
+  for (int c = 0; c < nc; ++c) {
+    v16 vv[NV];
+    const float* vr = V + (int64_t)c * vs + v0;
+    for (int j = 0; j < NV; ++j) vv[j] = ld(vr + 16 * j);
+    const float* pr = P + (int64_t)c * ldP + r0;
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      v16 pb = splat(pr[i]);
+      for (int j = 0; j < NV; ++j) acc[i][j] += pb * vv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) st(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j, acc[i][j]);
+}
+
+template <int NV>
+static void pv_rows(const float* P, int ldP, const float* V, int64_t vs, int nc, float* O, int ldo, int nr, int v0) {
+  constexpr int MR = 24 / NV;
+  int r = 0;
+  for (; r + MR <= nr; r += MR) pv_block<MR, NV>(P, ldP, V, vs, nc, O, ldo, r, v0);
+  for (; r + 2 <= nr; r += 2) pv_block<2, NV>(P, ldP, V, vs, nc, O, ldo, r, v0);
+  for (; r < nr; ++r) pv_block<1, NV>(P, ldP, V, vs, nc, O, ldo, r, v0);
+}
+
+static void pv_tile(const float* P, int ldP, const float* V, int64_t vs, int nc, float* O, int Dv, int nr) {
+  int v0 = 0;
+  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, nc, O, Dv, nr, v0);
+  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, nc, O, Dv, nr, v0);
+  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, nc, O, Dv, nr, v0);
+  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, nc, O, Dv, nr, v0);
+}
+
+struct Problem {
+  const float *q, *k, *v;
+  const int32_t *kv_num, *kv_idx, *fkv_num, *fkv_idx;
+  int64_t wp, wf;  // list widths
+  int64_t Bm, Hm, nQ;  // list dims
+  int64_t B, Sq, Hq, Skv, Hkv, D, Dv;
+  int64_t bq, bkv, kv_len;
+  float scale;
+  ModFn score_fn, mask_fn;
+  const void* const* score_arrays;
+  const void* const* mask_arrays;
+  float *out, *m_out, *l_out;
+};
+
+struct Scratch {
+  std::vector<float> qt, s, o, m, l, alpha;
+};
+
+// One q block of one (batch, query head): every tile of its partial list, then of its full list.
+static void run_item(const Problem& P, int64_t item, Scratch& w) {
+  const int64_t nqb = (P.Sq + P.bq - 1) / P.bq;
+  const int64_t qb = item % nqb, hq = (item / nqb) % P.Hq, b = item / (nqb * P.Hq);
+  const int64_t hkv = hq / (P.Hq / P.Hkv);
+  const int q0 = (int)(qb * P.bq);
+  const int nr = (int)std::min<int64_t>(P.bq, P.Sq - q0);
+  const int nrp = (nr + 15) / 16 * 16;
+  const int D = (int)P.D, Dv = (int)P.Dv;
+  w.qt.assign((size_t)D * nrp, 0.0f);
+  w.s.resize((size_t)P.bkv * nrp);
+  w.o.assign((size_t)nrp * Dv, 0.0f);
+  w.m.assign(nrp, -FLT_MAX);
+  w.l.assign(nrp, 0.0f);
+  w.alpha.resize(nrp);
+  float* Qt = w.qt.data();
+  for (int r = 0; r < nr; ++r) {
+    const float* qr = P.q + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.D;
+    for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = qr[d] * P.scale;
+  }
+  const int64_t lb = P.Bm == 1 ? 0 : b, lh = P.Hm == 1 ? 0 : hq;
+  const int64_t row = (lb * P.Hm + lh) * P.nQ + qb;
+  const int64_t ks = P.Hkv * P.D, vs = P.Hkv * P.Dv;
+  float* S = w.s.data();
+  float* O = w.o.data();
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool partial = pass == 0;
+    const int n = partial ? P.kv_num[row] : P.fkv_num[row];
+    const int32_t* idx = partial ? P.kv_idx + row * P.wp : P.fkv_idx + row * P.wf;
+    for (int t = 0; t < n; ++t) {
+      const int kv0 = (int)(idx[t] * P.bkv);
+      const int nc = (int)std::min<int64_t>(P.bkv, P.kv_len - kv0);
+      if (nc <= 0) continue;
+      const float* K = P.k + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.D;
+      const float* V = P.v + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.Dv;
+      qk_tile(K, ks, Qt, D, S, nc, nrp);
+      if (P.score_fn) P.score_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
+      if (partial && P.mask_fn) P.mask_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
+      for (int r = 0; r < nrp; r += 16) {
+        v16 m_old = ld(w.m.data() + r), mx = m_old;
+        for (int c = 0; c < nc; ++c) {
+          v16 x = ld(S + (int64_t)c * nrp + r);
+          mx = x > mx ? x : mx;
+        }
+        v16 sum = splat(0.0f);
+        for (int c = 0; c < nc; ++c) {
+          float* p = S + (int64_t)c * nrp + r;
+          v16 e = vexp(ld(p) - mx);
+          st(p, e);
+          sum += e;
+        }
+        v16 alpha = vexp(m_old - mx);
+        st(w.l.data() + r, ld(w.l.data() + r) * alpha + sum);
+        st(w.m.data() + r, mx);
+        st(w.alpha.data() + r, alpha);
+      }
+      for (int r = 0; r < nr; ++r) {
+        const float a = w.alpha[r];
+        if (a != 1.0f) {
+          float* orow = O + (int64_t)r * Dv;
+          for (int d = 0; d < Dv; ++d) orow[d] *= a;
+        }
+      }
+      pv_tile(S, nrp, V, vs, nc, O, Dv, nr);
+    }
+  }
+  for (int r = 0; r < nr; ++r) {
+    const float l = w.l[r];
+    const float inv = 1.0f / (l > 0.0f ? l : 1.0f);
+    float* orow = P.out + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.Dv;
+    for (int d = 0; d < Dv; ++d) orow[d] = O[(int64_t)r * Dv + d] * inv;
+    P.m_out[(b * P.Hq + hq) * P.Sq + q0 + r] = w.m[r];
+    P.l_out[(b * P.Hq + hq) * P.Sq + q0 + r] = l;
+  }
+}
+
+static void run_all(const Problem& P, ffi::ThreadPool& pool) {
+  const int64_t nqb = (P.Sq + P.bq - 1) / P.bq;
+  const int64_t items = P.B * P.Hq * nqb;
+  int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items);
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  auto worker = [&P, &next, items]() {
+    Scratch w;
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) run_item(P, i, w);
+  };
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.Schedule([&worker, &done]() {
+      worker();
+      done.fetch_add(1, std::memory_order_release);
+    });
+  }
+  worker();
+  while (done.load(std::memory_order_acquire) < threads - 1) std::this_thread::yield();
+}
+
+static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
+                          ffi::Buffer<ffi::S32> fkv_num, ffi::Buffer<ffi::S32> fkv_idx, ffi::RemainingArgs consts,
+                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
+                          ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
+                          int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t n_score_consts) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = kv_idx.dimensions(),
+       fi = fkv_idx.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
+    return ffi::Error::InvalidArgument("flexjax cpu kernel: bad ranks");
+  Problem P;
+  P.q = q.typed_data();
+  P.k = k.typed_data();
+  P.v = v.typed_data();
+  P.kv_num = kv_num.typed_data();
+  P.kv_idx = kv_idx.typed_data();
+  P.fkv_num = fkv_num.typed_data();
+  P.fkv_idx = fkv_idx.typed_data();
+  P.Bm = li[0];
+  P.Hm = li[1];
+  P.nQ = li[2];
+  P.wp = li[3];
+  P.wf = fi[3];
+  P.B = qd[0];
+  P.Sq = qd[1];
+  P.Hq = qd[2];
+  P.D = qd[3];
+  P.Skv = kd[1];
+  P.Hkv = kd[2];
+  P.Dv = vd[3];
+  P.bq = block_q;
+  P.bkv = block_kv;
+  P.kv_len = kv_len;
+  P.scale = scale;
+  P.score_fn = reinterpret_cast<ModFn>(score_fn);
+  P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
+  std::vector<const void*> arrays(consts.size());
+  for (size_t i = 0; i < consts.size(); ++i) {
+    auto a = consts.get<ffi::AnyBuffer>(i);
+    if (!a.has_value()) return ffi::Error::InvalidArgument("flexjax cpu kernel: bad captured array");
+    arrays[i] = a->untyped_data();
+  }
+  P.score_arrays = arrays.data();
+  P.mask_arrays = arrays.data() + n_score_consts;
+  P.out = out->typed_data();
+  P.m_out = m_out->typed_data();
+  P.l_out = l_out->typed_data();
+  if (P.Sq > 0 && P.B > 0 && P.Hq > 0) run_all(P, pool);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_kv")
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("score_fn")
+                                  .Attr<int64_t>("mask_fn")
+                                  .Attr<int64_t>("n_score_consts"));
