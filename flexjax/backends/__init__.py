@@ -47,6 +47,8 @@ def platform_backends(platform: str | None = None) -> tuple[str, ...]:
 
 
 def kernel_option_names(name: str) -> tuple[str, ...]:
-    """The ``kernel_options`` keys backend ``name`` takes (its KernelOptions fields)."""
-    options = getattr(get_backend(name), "KernelOptions", None)
-    return tuple(f.name for f in dataclasses.fields(options)) if options is not None else ()
+    """The ``kernel_options`` keys backend ``name`` takes (its KernelOptions fields and switches)."""
+    backend = get_backend(name)
+    options = getattr(backend, "KernelOptions", None)
+    fields = tuple(f.name for f in dataclasses.fields(options)) if options is not None else ()
+    return fields + tuple(getattr(backend, "SWITCHES", ()))

@@ -40,6 +40,9 @@ class KernelOptions:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
+# kernel_options that are not tiles: ``cpu_kernel=False`` runs the forward's XLA loops even
+# where the C++ kernel (backends/cpu) could serve it.
+SWITCHES = ("cpu_kernel",)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -95,9 +98,9 @@ def _resolve(spec) -> tuple[KernelOptions, int | None]:
 
 def unsupported_reason(spec, q, k, v):
     opts = spec.options
-    unknown = sorted(set(opts) - set(_FIELDS) - {"cpu_kernel"})
+    unknown = sorted(set(opts) - set(_FIELDS) - set(SWITCHES))
     if unknown:
-        return f"unknown kernel_options {unknown} for the xla backend; it takes {[*_FIELDS, 'cpu_kernel']}"
+        return f"unknown kernel_options {unknown} for the xla backend; it takes {[*_FIELDS, *SWITCHES]}"
     if not isinstance(opts.get("cpu_kernel", True), bool):
         raise ValueError(f"kernel_options['cpu_kernel'] must be a bool, got {opts['cpu_kernel']!r}")
     bq, bkv = spec.block_size

@@ -175,7 +175,7 @@ class _Emitter:
 
     def assign(self, text: str, vec: bool, dtype: str) -> _Val:
         self.check_dtype(dtype)
-        name = f"v{self.count}"
+        name = f"t{self.count}"
         self.count += 1
         ctype = _C_VECTOR[dtype] if vec else _C_SCALAR[dtype]
         (self.inner if vec else self.outer).append(f"{ctype} {name} = {text};")
@@ -209,7 +209,7 @@ class _Emitter:
 
 def _lane_loop(em: _Emitter, fn: str, args: list[str], dtype: str) -> _Val:
     """A vector computed lane by lane with a scalar function."""
-    name = f"v{em.count}"
+    name = f"t{em.count}"
     em.count += 1
     ctype = _C_VECTOR[dtype]
     lanes = ", ".join(f"{a}[_l]" for a in args)

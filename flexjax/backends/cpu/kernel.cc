@@ -65,6 +65,17 @@ static inline v16 vexp(v16 x) {
   return y;
 }
 
+// Whether any lane of a mask row (0 allowed, -inf excluded) is allowed.
+static inline bool allowed_any(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)x, _mm512_setzero_ps(), _CMP_EQ_OQ) != 0;
+#else
+  for (int i = 0; i < 16; ++i)
+    if (x[i] == 0.0f) return true;
+  return false;
+#endif
+}
+
 using ModFn = void (*)(float* s, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0,
                        const void* const* arrays);
 
@@ -91,30 +102,23 @@ static inline void qk_block(const float* K, int64_t ks, const float* Qt, int ldq
 }
 
 template <int NV>
-static void qk_cols(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int ldS, int nc, int r0) {
+static void qk_cols(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int ldS, int c_lo,
+                    int c_hi, int r0) {
   constexpr int MR = NV == 4 ? 6 : (NV == 2 ? 8 : 12);
-  int c = 0;
-  for (; c + MR <= nc; c += MR) qk_block<MR, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
-  for (; c + 4 <= nc; c += 4) qk_block<4, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
-  for (; c < nc; ++c) qk_block<1, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
+  int c = c_lo;
+  for (; c + MR <= c_hi; c += MR) qk_block<MR, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
+  for (; c + 4 <= c_hi; c += 4) qk_block<4, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
+  for (; c < c_hi; ++c) qk_block<1, NV>(K, ks, Qt, ldq, D, St, ldS, c, r0);
 }
 
-// The transposed score tile of kv rows [0, nc) and query lanes [0, nrp).
-static void qk_tile(const float* K, int64_t ks, const float* Qt, int D, float* St, int nc, int nrp) {
-  int r = 0;
-  for (; r + 64 <= nrp; r += 64) qk_cols<4>(K, ks, Qt, nrp, D, St, nrp, nc, r);
-  for (; r + 32 <= nrp; r += 32) qk_cols<2>(K, ks, Qt, nrp, D, St, nrp, nc, r);
-  for (; r < nrp; r += 16) qk_cols<1>(K, ks, Qt, nrp, D, St, nrp, nc, r);
-}
-
-// O[r][v0 + 16 j] += sum_c P[c][r] V[c][v0 + 16 j] for r in [r0, r0 + MR).
+// O[r][v0 + 16 j] += sum_c P[c][r] V[c][v0 + 16 j] for r in [r0, r0 + MR), c in [c_lo, c_hi).
 template <int MR, int NV>
-static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs, int nc, float* O, int ldo,
-                            int r0, int v0) {
+static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O,
+                            int ldo, int r0, int v0) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j);
-  for (int c = 0; c < nc; ++c) {
+  for (int c = c_lo; c < c_hi; ++c) {
     v16 vv[NV];
     const float* vr = V + (int64_t)c * vs + v0;
     for (int j = 0; j < NV; ++j) vv[j] = ld(vr + 16 * j);
@@ -130,20 +134,23 @@ static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs,
 }
 
 template <int NV>
-static void pv_rows(const float* P, int ldP, const float* V, int64_t vs, int nc, float* O, int ldo, int nr, int v0) {
+static void pv_rows(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
+                    int r_lo, int r_hi, int v0) {
   constexpr int MR = 24 / NV;
-  int r = 0;
-  for (; r + MR <= nr; r += MR) pv_block<MR, NV>(P, ldP, V, vs, nc, O, ldo, r, v0);
-  for (; r + 2 <= nr; r += 2) pv_block<2, NV>(P, ldP, V, vs, nc, O, ldo, r, v0);
-  for (; r < nr; ++r) pv_block<1, NV>(P, ldP, V, vs, nc, O, ldo, r, v0);
+  int r = r_lo;
+  for (; r + MR <= r_hi; r += MR) pv_block<MR, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0);
+  for (; r + 4 <= r_hi; r += 4) pv_block<4, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0);
+  for (; r < r_hi; ++r) pv_block<1, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0);
 }
 
-static void pv_tile(const float* P, int ldP, const float* V, int64_t vs, int nc, float* O, int Dv, int nr) {
+// O rows [r_lo, r_hi) += P^T V over kv rows [c_lo, c_hi).
+static void pv_range(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O, int Dv,
+                     int r_lo, int r_hi) {
   int v0 = 0;
-  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, nc, O, Dv, nr, v0);
-  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, nc, O, Dv, nr, v0);
-  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, nc, O, Dv, nr, v0);
-  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, nc, O, Dv, nr, v0);
+  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
+  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
+  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
+  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
 }
 
 struct Problem {
@@ -161,7 +168,8 @@ struct Problem {
 };
 
 struct Scratch {
-  std::vector<float> qt, s, o, m, l, alpha;
+  std::vector<float> qt, s, mask, o, m, l, alpha;
+  std::vector<int> lo, hi;
 };
 
 // One q block of one (batch, query head): every tile of its partial list, then of its full list.
@@ -179,6 +187,13 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   w.m.assign(nrp, -FLT_MAX);
   w.l.assign(nrp, 0.0f);
   w.alpha.resize(nrp);
+  w.mask.resize((size_t)P.bkv * nrp);
+  const int ng = nrp / 16;
+  w.lo.resize(ng);
+  w.hi.resize(ng);
+  int* lo = w.lo.data();
+  int* hi = w.hi.data();
+  float* M = w.mask.data();
   float* Qt = w.qt.data();
   for (int r = 0; r < nr; ++r) {
     const float* qr = P.q + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.D;
@@ -199,17 +214,68 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
       if (nc <= 0) continue;
       const float* K = P.k + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.D;
       const float* V = P.v + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.Dv;
-      qk_tile(K, ks, Qt, D, S, nc, nrp);
-      if (P.score_fn) P.score_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
-      if (partial && P.mask_fn) P.mask_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
-      for (int r = 0; r < nrp; r += 16) {
-        v16 m_old = ld(w.m.data() + r), mx = m_old;
+      // Each 16-row group's kv range [lo, hi): the columns where any of its rows is allowed.
+      // Partial tiles evaluate mask_mod first (into M: 0 allowed, -inf not), so rows and
+      // columns the mask excludes cost no multiply.
+      const bool masked = partial && P.mask_fn;
+      if (masked) {
+        std::fill(M, M + (int64_t)nc * nrp, 0.0f);
+        P.mask_fn(M, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
+        for (int g = 0; g < ng; ++g) {
+          lo[g] = nc;
+          hi[g] = 0;
+        }
         for (int c = 0; c < nc; ++c) {
-          v16 x = ld(S + (int64_t)c * nrp + r);
-          mx = x > mx ? x : mx;
+          const float* mr = M + (int64_t)c * nrp;
+          for (int g = 0; g < ng; ++g) {
+            if (allowed_any(ld(mr + 16 * g))) {
+              lo[g] = std::min(lo[g], c);
+              hi[g] = c + 1;
+            }
+          }
+        }
+      } else {
+        for (int g = 0; g < ng; ++g) {
+          lo[g] = 0;
+          hi[g] = nc;
+        }
+      }
+      for (int r0 = 0; r0 < nrp;) {
+        const int width = r0 + 64 <= nrp ? 64 : (r0 + 32 <= nrp ? 32 : 16);
+        int c_lo = nc, c_hi = 0;
+        for (int g = r0 / 16; g < (r0 + width) / 16; ++g) {
+          c_lo = std::min(c_lo, lo[g]);
+          c_hi = std::max(c_hi, hi[g]);
+        }
+        if (c_lo < c_hi) {
+          if (width == 64) qk_cols<4>(K, ks, Qt, nrp, D, S, nrp, c_lo, c_hi, r0);
+          else if (width == 32) qk_cols<2>(K, ks, Qt, nrp, D, S, nrp, c_lo, c_hi, r0);
+          else qk_cols<1>(K, ks, Qt, nrp, D, S, nrp, c_lo, c_hi, r0);
+          if (P.score_fn)
+            P.score_fn(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, (int)hq, q0 + r0, kv0 + c_lo,
+                       P.score_arrays);
+        }
+        r0 += width;
+      }
+      for (int g = 0; g < ng; ++g) {
+        const int r = 16 * g;
+        v16 m_old = ld(w.m.data() + r), mx = m_old;
+        if (masked) {
+          for (int c = lo[g]; c < hi[g]; ++c) {
+            float* p = S + (int64_t)c * nrp + r;
+            v16 x = ld(p);
+            x = ld(M + (int64_t)c * nrp + r) == 0.0f ? x : splat(-INFINITY);
+            st(p, x);
+            mx = x > mx ? x : mx;
+          }
+        } else {
+          for (int c = lo[g]; c < hi[g]; ++c) {
+            v16 x = ld(S + (int64_t)c * nrp + r);
+            mx = x > mx ? x : mx;
+          }
         }
         v16 sum = splat(0.0f);
-        for (int c = 0; c < nc; ++c) {
+        for (int c = lo[g]; c < hi[g]; ++c) {
           float* p = S + (int64_t)c * nrp + r;
           v16 e = vexp(ld(p) - mx);
           st(p, e);
@@ -227,7 +293,9 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
           for (int d = 0; d < Dv; ++d) orow[d] *= a;
         }
       }
-      pv_tile(S, nrp, V, vs, nc, O, Dv, nr);
+      for (int g = 0; g < ng; ++g) {
+        if (lo[g] < hi[g]) pv_range(S, nrp, V, vs, lo[g], hi[g], O, Dv, 16 * g, std::min(16 * g + 16, nr));
+      }
     }
   }
   for (int r = 0; r < nr; ++r) {

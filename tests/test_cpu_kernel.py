@@ -1,0 +1,199 @@
+"""The xla backend's C++ CPU kernel (flexjax/backends/cpu) against the dense reference.
+
+The kernel serves the xla backend's forward on AVX-512 CPUs with a C++ compiler; the
+backward stays the xla backend's. Every check here first asserts that the kernel really
+ran (its FFI call is in the lowered HLO), then compares forward, lse and all gradients
+with the reference backend, as tests/test_xla.py does for the XLA loops.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from catalog import BY_NAME, CATALOG, build, check_case, inputs, loss_and_grads
+from checks import assert_close
+
+import flexjax
+from flexjax import masks, mods
+from flexjax.backends import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.usable(), reason="no AVX-512 CPU or no C++ compiler")
+
+# Head dims the kernel takes (Dv a multiple of 16), ragged lengths and GQA.
+KSHAPES = {
+    "mha": (2, 192, 192, 4, 4, 16, 16),
+    "gqa_ragged": (2, 130, 250, 4, 2, 24, 32),
+    "mqa_ragged": (1, 201, 97, 4, 1, 8, 16),
+}
+
+
+def _lowered(case, shape, **kw):
+    _, params, attention = build(case, shape)
+    q, k, v, _ = inputs(shape, jnp.float32)
+    return jax.jit(lambda q, k, v, p: attention(q, k, v, p, **kw)).lower(q, k, v, params).as_text()
+
+
+def _assert_kernel(case, shape, **kw):
+    assert "flexjax_cpu_forward" in _lowered(case, shape, backend="xla", **kw), "the C++ kernel did not run"
+
+
+_GRID = [(c.name, s) for n, c in enumerate(CATALOG) for s in [list(KSHAPES)[n % len(KSHAPES)]]]
+
+
+@pytest.mark.parametrize("name,shape", _GRID, ids=[f"{c}-{s}" for c, s in _GRID])
+def test_catalog_float32(name, shape):
+    _assert_kernel(BY_NAME[name], KSHAPES[shape])
+    check_case("xla", name, KSHAPES[shape])
+
+
+@pytest.mark.parametrize("name", ["causal+soft_cap", "document+t5", "sliding_window+alibi"])
+def test_catalog_bfloat16(name):
+    check_case("xla", name, KSHAPES["gqa_ragged"], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [(128, 128), (32, 64), (128, 64)])
+def test_block_sizes(block_size):
+    """Mask blocks other than 64, including row tiles that are not a multiple of 64."""
+    shape = (1, 300, 300, 2, 2, 64, 64)
+    for name in ("causal", "sliding_window+alibi", "prefix_lm+relative_bias"):
+        check_case("xla", name, shape, block_size=block_size)
+
+
+def test_wide_heads():
+    """D and Dv of 128 and 80 (Dv 64 + 16)."""
+    check_case("xla", "causal+soft_cap", (1, 160, 160, 2, 1, 128, 80))
+
+
+def _dense(q, k, v, score_mod, mask_mod):
+    """Reference attention through the reference backend (a dense S x S mask)."""
+    B, Sq, H, _ = q.shape
+    bm = flexjax.create_block_mask(mask_mod, None, None, Sq, k.shape[1]) if mask_mod else None
+    return flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, backend="reference")
+
+
+def _compare(score_mod=None, mask_mod=None, S=150, H=2, D=16, atol=3e-5):
+    q, k, v, _ = inputs((1, S, S, H, H, D, D), jnp.float32, seed=3)
+    bm = flexjax.create_block_mask(mask_mod, None, None, S, S, block_size=32) if mask_mod else None
+    f = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm))
+    assert "flexjax_cpu_forward" in f.lower(q, k, v).as_text()
+    ref = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                         backend="reference"))
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), np.asarray(ref(q, k, v)), atol=atol, rtol=1e-5)
+
+
+def test_integer_primitives_in_masks():
+    """Division and remainder (negative operands, by zero), min/max, abs, clamp, shifts, xor, select_n."""
+    zero = jnp.int32(0)
+
+    def mask(b, h, q, kv):
+        d = q - kv
+        by_zero = (d // (zero * q)) == -1  # XLA: x // 0 == -1 ... via lax.div below
+        a = (jax.lax.div(d, 7) + jax.lax.rem(d, -5) + jax.lax.div(q, zero * kv) + jax.lax.rem(kv, zero * q)) % 3 != 1
+        c = jnp.clip(d, -20, 30) > jnp.maximum(jnp.minimum(q, kv) // 9, 2)
+        e = ((q >> 2) ^ (kv << 1)) & 7
+        f = jnp.where(e > 3, jnp.abs(d) < 60, (q + kv) % 4 == 0)
+        return (a | c | by_zero) & f | (q == kv)
+
+    _compare(mask_mod=mask)
+
+
+def test_float_primitives_in_score_mods():
+    """Transcendental functions, powers, comparisons, casts and float <-> int conversions."""
+
+    def score(s, b, h, q, kv):
+        x = s / 4.0
+        t = (jnp.tanh(x) + jax.nn.sigmoid(x) + jnp.exp(-jnp.abs(x)) + jnp.log1p(x * x) + jnp.sqrt(jnp.abs(x))
+             + jnp.expm1(x * 0.1) + jax.lax.rsqrt(1.0 + x * x) + x ** 3 + jnp.sign(x) + jnp.floor(x) * 0.01)
+        i = (s * 3.0).astype(jnp.int32)  # truncation toward zero
+        w = jnp.where(i % 2 == 0, t, -t) + (q - kv).astype(jnp.float32) * 0.01
+        return jnp.maximum(w, -3.0) + jnp.minimum(s, 1.0) + jax.nn.relu(s) + jnp.clip(s, -0.5, 0.5) ** 2
+
+    _compare(score_mod=score, mask_mod=masks.causal)
+
+
+def test_captured_arrays():
+    """Reads of captured tables: per head, per (q, kv) with clamped out-of-range indices, 0-d scalars, bools."""
+    S = 150
+    table = jax.random.normal(jax.random.PRNGKey(1), (2, 2 * S - 1)) * 0.5
+    grid = jax.random.normal(jax.random.PRNGKey(2), (S // 2, S // 2))
+    temp = jnp.asarray(0.7, jnp.float32)
+    keep = jax.random.bernoulli(jax.random.PRNGKey(3), 0.8, (S,))
+    ids = jnp.asarray(np.repeat(np.arange(5), S // 5), jnp.int32)
+
+    def score(s, b, h, q, kv):
+        # grid[q, kv] reads past its end for q, kv >= 75: indices clamp, as in XLA.
+        return s * temp + table[h, kv - q + S - 1] + grid[q, kv]
+
+    def mask(b, h, q, kv):
+        return (ids[q] == ids[kv]) & keep[kv] & (kv <= q)
+
+    _compare(score_mod=score, mask_mod=mask)
+
+
+def test_library_mods():
+    _compare(score_mod=mods.alibi(2), mask_mod=flexjax.and_masks(masks.causal, masks.sliding_window(40)))
+    _compare(score_mod=mods.soft_cap(5.0), mask_mod=flexjax.or_masks(masks.prefix_lm(20), masks.causal))
+    _compare(mask_mod=masks.chunked_causal(33))
+
+
+def test_untranslatable_mod_runs_the_xla_loops():
+    """A primitive without a C++ translation: the XLA loops run instead, with the same result."""
+
+    def score(s, b, h, q, kv):
+        return s + jnp.arctan2(q.astype(jnp.float32), kv.astype(jnp.float32) + 1.0)
+
+    q, k, v, _ = inputs((1, 96, 96, 2, 2, 16, 16), jnp.float32)
+    f = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, score_mod=score))
+    assert "flexjax_cpu_forward" not in f.lower(q, k, v).as_text()
+    ref = flexjax.flex_attention(q, k, v, score_mod=score, backend="reference")
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), np.asarray(ref), atol=3e-5, rtol=1e-5)
+    from flexjax._trace import trace_mod
+    traced = trace_mod(score, "score", arg_name="score_mod")
+    with pytest.raises(NotImplementedError, match="atan2"):
+        cpu._codegen.generate(traced.static(), ())
+
+
+def test_switches():
+    case, shape = BY_NAME["causal"], KSHAPES["mha"]
+    assert "flexjax_cpu_forward" not in _lowered(case, shape, backend="xla", kernel_options={"cpu_kernel": False})
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        _lowered(case, shape, backend="xla", kernel_options={"cpu_kernel": 1})
+    # Explicit forward tiles ask for the XLA loops' tiling.
+    assert "flexjax_cpu_forward" not in _lowered(case, shape, backend="xla", kernel_options={"block_q": 128})
+
+
+def test_vmap_and_traced_block_mask():
+    """vmap over an extra axis, and a BlockMask passed into jit as an argument."""
+    shape = (1, 160, 160, 2, 2, 16, 16)
+    q, k, v, _ = inputs(shape, jnp.float32)
+    bm = flexjax.create_block_mask(masks.causal, None, None, 160, 160, block_size=32)
+
+    def attn(q, k, v, bm, backend="xla"):
+        return flexjax.flex_attention(q, k, v, score_mod=mods.soft_cap(3.0), block_mask=bm, backend=backend)
+
+    f = jax.jit(jax.vmap(attn, in_axes=(0, None, None, None)))
+    qs = jnp.stack([q, 2 * q])
+    assert "flexjax_cpu_forward" in f.lower(qs, k, v, bm).as_text()
+    got = f(qs, k, v, bm)
+    for i in range(2):
+        want = attn(qs[i], k, v, bm, backend="reference")
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), atol=3e-5, rtol=1e-5)
+
+
+def test_fully_masked_and_neg_inf_rows():
+    """Rows with no allowed key (out 0, lse -inf) and score_mods returning -inf, with default tiles."""
+    for name in ("fully_masked_rows", "neg_inf_score"):
+        _assert_kernel(BY_NAME[name], KSHAPES["mha"])
+        check_case("xla", name, KSHAPES["mha"])
+
+
+def test_bf16_lse_and_gradients_match_loops():
+    """The kernel and the XLA loops agree closely (the backward is shared)."""
+    name, shape = "document+t5", KSHAPES["gqa_ragged"]
+    _, params, attention = build(BY_NAME[name], shape)
+    q, k, v, do = inputs(shape, jnp.float32)
+    a = loss_and_grads(attention, q, k, v, do, params, backend="xla")
+    b = loss_and_grads(attention, q, k, v, do, params, backend="xla", kernel_options={"cpu_kernel": False})
+    assert_close(name, a, b, b, jnp.float32)
