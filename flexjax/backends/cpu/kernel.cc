@@ -76,6 +76,29 @@ static inline bool allowed_any(v16 x) {
 #endif
 }
 
+// exp of 16 lanes known to be <= 0 or NaN (s - max in the softmax): vexp without the
+// overflow branch, with AVX-512's scalef doing 2^n.
+static inline v16 vexp_le0(v16 x) {
+#if defined(__AVX512F__)
+  const v16 lo = splat(-87.33654022216797f);
+  v16 xc = x < lo ? lo : x;
+  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16 r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  v16 y = (v16)_mm512_scalef_ps((__m512)p, (__m512)n);
+  return x < lo ? splat(0.0f) : y;
+#else
+  return vexp(x);
+#endif
+}
+
 using ModFn = void (*)(float* s, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0,
                        const void* const* arrays);
 
@@ -114,10 +137,10 @@ static void qk_cols(const float* K, int64_t ks, const float* Qt, int ldq, int D,
 // O[r][v0 + 16 j] += sum_c P[c][r] V[c][v0 + 16 j] for r in [r0, r0 + MR), c in [c_lo, c_hi).
 template <int MR, int NV>
 static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O,
-                            int ldo, int r0, int v0) {
+                            int ldo, int r0, int v0, const float* alpha) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j);
+    for (int j = 0; j < NV; ++j) acc[i][j] = ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j) * alpha[r0 + i];
   for (int c = c_lo; c < c_hi; ++c) {
     v16 vv[NV];
     const float* vr = V + (int64_t)c * vs + v0;
@@ -135,22 +158,22 @@ static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs,
 
 template <int NV>
 static void pv_rows(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
-                    int r_lo, int r_hi, int v0) {
+                    int r_lo, int r_hi, int v0, const float* alpha) {
   constexpr int MR = 24 / NV;
   int r = r_lo;
-  for (; r + MR <= r_hi; r += MR) pv_block<MR, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0);
-  for (; r + 4 <= r_hi; r += 4) pv_block<4, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0);
-  for (; r < r_hi; ++r) pv_block<1, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0);
+  for (; r + MR <= r_hi; r += MR) pv_block<MR, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha);
+  for (; r + 4 <= r_hi; r += 4) pv_block<4, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha);
+  for (; r < r_hi; ++r) pv_block<1, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha);
 }
 
-// O rows [r_lo, r_hi) += P^T V over kv rows [c_lo, c_hi).
+// O rows [r_lo, r_hi) = alpha O + P^T V over kv rows [c_lo, c_hi) (alpha: the rows' softmax rescale).
 static void pv_range(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O, int Dv,
-                     int r_lo, int r_hi) {
+                     int r_lo, int r_hi, const float* alpha) {
   int v0 = 0;
-  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
-  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
-  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
-  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0);
+  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
+  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
+  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
+  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
 }
 
 struct Problem {
@@ -277,24 +300,19 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
         v16 sum = splat(0.0f);
         for (int c = lo[g]; c < hi[g]; ++c) {
           float* p = S + (int64_t)c * nrp + r;
-          v16 e = vexp(ld(p) - mx);
+          v16 e = vexp_le0(ld(p) - mx);
           st(p, e);
           sum += e;
         }
-        v16 alpha = vexp(m_old - mx);
+        v16 alpha = vexp_le0(m_old - mx);
         st(w.l.data() + r, ld(w.l.data() + r) * alpha + sum);
         st(w.m.data() + r, mx);
         st(w.alpha.data() + r, alpha);
       }
-      for (int r = 0; r < nr; ++r) {
-        const float a = w.alpha[r];
-        if (a != 1.0f) {
-          float* orow = O + (int64_t)r * Dv;
-          for (int d = 0; d < Dv; ++d) orow[d] *= a;
-        }
-      }
+      // A group with no allowed column keeps its max, so its rows' alpha is 1.
       for (int g = 0; g < ng; ++g) {
-        if (lo[g] < hi[g]) pv_range(S, nrp, V, vs, lo[g], hi[g], O, Dv, 16 * g, std::min(16 * g + 16, nr));
+        if (lo[g] < hi[g])
+          pv_range(S, nrp, V, vs, lo[g], hi[g], O, Dv, 16 * g, std::min(16 * g + 16, nr), w.alpha.data());
       }
     }
   }
