@@ -77,10 +77,14 @@ def _check_block_size(block_size) -> tuple[int, int]:
     return int(bs[0]), int(bs[1])
 
 
-def _list_width(need: int, width, n_cols: int) -> int:
-    """Width of concrete tile lists whose busiest row has ``need`` entries (``width``: the
-    user's ``max_blocks_per_row`` or None); ValueError when that bound is too small."""
-    w = max(1, need) if width is None else min(int(width), n_cols)
+def _list_width(need: int, most: int, width, n_cols: int) -> int:
+    """Width of one concrete tile list whose busiest row has ``most`` entries, where the
+    busiest row of its direction has ``need`` partial + full tiles; ``width``: the user's
+    ``max_blocks_per_row`` (both lists of a direction are then that wide) or None.
+    ValueError when that bound is too small."""
+    if width is None:
+        return max(1, most)
+    w = min(int(width), n_cols)
     if need > w:
         raise ValueError(
             f"max_blocks_per_row={width} is too small: some block row has {need} non-empty tiles; "
@@ -93,13 +97,15 @@ def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = N
 
     Returns ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
     q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)``. Indices of each row are
-    ascending; entries past the row's count are other (valid) block indices.
+    ascending; entries past the row's count are valid block indices (which ones is
+    unspecified: readers stop at the count).
 
-    The lists are as wide as they need to be: ``kv_indices`` and ``full_kv_indices`` hold
-    the most partial + full tiles of any q block (at least 1), the transposed lists the
-    same per kv block, when ``states`` is concrete. Traced states give lists of width
-    nKV (nQ), or ``width`` when it is given (an int for both directions, or a pair
-    (kv lists, q lists)); concrete states then check that it suffices.
+    Concrete states give lists as wide as they need to be, each on its own: ``kv_indices``
+    holds the most partial tiles of any q block, ``full_kv_indices`` the most full ones
+    (each at least 1), the transposed lists the same per kv block. Traced states give
+    lists of width nKV (nQ), or ``width`` when it is given (an int for both directions, or
+    a pair (kv lists, q lists)): a bound on the partial + full tiles of any row, so both
+    lists of a direction are that wide, and concrete states check that it suffices.
     """
     kv_w, q_w = width if isinstance(width, tuple) else (width, width)
     if not isinstance(states, jax.core.Tracer):
@@ -137,22 +143,61 @@ def _np_lists(states: np.ndarray, kv_width: int | None, q_width: int | None) -> 
         n_p = (flat == PARTIAL).sum(3 - axis_rows, dtype=np.int32)
         n_f = (flat == FULL).sum(3 - axis_rows, dtype=np.int32)
         need = int((n_p + n_f).max(initial=0))
-        w = _list_width(need, width, n_cols)
-        idx_p = np.zeros((flat.shape[0], n_rows, w), np.int32)
-        idx_f = np.zeros((flat.shape[0], n_rows, w), np.int32)
+        w_p = _list_width(need, int(n_p.max(initial=0)), width, n_cols)
+        w_f = _list_width(need, int(n_f.max(initial=0)), width, n_cols)
+        idx_p = np.zeros((flat.shape[0], n_rows, w_p), np.int32)
+        idx_f = np.zeros((flat.shape[0], n_rows, w_f), np.int32)
         step = max(1, _LIST_CHUNK_ELEMENTS // n_cols)
-        cols = np.arange(w)
+        cols = np.arange(w_f)
         for g in range(flat.shape[0]):
             for r0 in range(0, n_rows, step):
                 rows = flat[g, r0:r0 + step] if axis_rows == 1 else np.ascontiguousarray(flat[g, :, r0:r0 + step].T)
                 # (state - 1) & 3 maps PARTIAL, FULL, EMPTY to the sort keys 0, 1, 3.
                 order = np.argsort((rows - np.int8(1)) & np.int8(3), axis=-1, kind="stable")
-                idx_p[g, r0:r0 + step] = order[:, :w]
+                idx_p[g, r0:r0 + step] = order[:, :w_p]
                 start = np.minimum(n_p[g, r0:r0 + step, None] + cols, n_cols - 1)
                 idx_f[g, r0:r0 + step] = np.take_along_axis(order, start, axis=-1)
         for n, idx in ((n_p, idx_p), (n_f, idx_f)):
-            out += [jnp.asarray(n.reshape(lead + (n_rows,))), jnp.asarray(idx.reshape(lead + (n_rows, w)))]
+            out += [jnp.asarray(n.reshape(lead + (n_rows,))), jnp.asarray(idx.reshape(lead + (n_rows, idx.shape[-1])))]
     return tuple(out)
+
+
+# Rows of a list read per step by ``_cell_counts`` and ``block_states_of``: their int64
+# temporaries stay near 32 MiB.
+_VIEW_CHUNK_ELEMENTS = 1 << 22
+
+
+def _cell_counts(num, idx, b: int, h: int, fq: int, fkv: int, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols) int64: the listed tiles of (b, h) in each cell of fq x fkv tiles."""
+    # Whole arrays to NumPy (a view on CPU), then (b, h): a device slice would copy it.
+    num, idx = np.asarray(num)[b, h], np.asarray(idx)[b, h]
+    counts = np.zeros(rows * cols, np.int64)
+    step = max(1, _VIEW_CHUNK_ELEMENTS // idx.shape[-1])
+    for r0 in range(0, idx.shape[0], step):
+        part = idx[r0:r0 + step]
+        valid = np.arange(part.shape[-1]) < num[r0:r0 + step, None]
+        cell = (np.arange(r0, r0 + part.shape[0])[:, None] // fq) * cols + part // fkv
+        counts += np.bincount(cell[valid], minlength=rows * cols)
+    return counts.reshape(rows, cols)
+
+
+def block_states_of(bm: BlockMask, b: int, h: int) -> np.ndarray:
+    """int8 (nQ, nKV) states of one (b, h) of a BlockMask with concrete lists, in NumPy.
+
+    ``block_states()`` for a picture: no (B, H) array and no scatter over every entry at once.
+    """
+    nq, nkv = bm.num_blocks
+    out = np.zeros((nq, nkv), np.int8)
+    for num, idx, value in ((bm.kv_num_blocks, bm.kv_indices, PARTIAL), (bm.full_kv_num_blocks, bm.full_kv_indices,
+                                                                         FULL)):
+        num, idx = np.asarray(num)[b, h], np.asarray(idx)[b, h]
+        step = max(1, _VIEW_CHUNK_ELEMENTS // idx.shape[-1])
+        for r0 in range(0, nq, step):
+            part = idx[r0:r0 + step]
+            valid = np.arange(part.shape[-1]) < num[r0:r0 + step, None]
+            r = np.broadcast_to(np.arange(r0, r0 + part.shape[0])[:, None], part.shape)
+            out[r[valid], part[valid]] = value
+    return out
 
 
 def _states_from_lists(num, idx, value, n_cols) -> jax.Array:
@@ -175,9 +220,12 @@ class BlockMask:
 
     Attributes (children of the pytree):
       kv_num_blocks: int32 (B, H, nQ), partial tiles per q block.
-      kv_indices: int32 (B, H, nQ, W), their kv block indices, ascending; W is the most
-        partial + full tiles of any q block when built eagerly (nKV under ``jit``).
-      full_kv_num_blocks, full_kv_indices: the same for full tiles.
+      kv_indices: int32 (B, H, nQ, W), their kv block indices, ascending (entries past a
+        row's count are valid block indices, to be ignored); W is the most partial tiles
+        of any q block when built eagerly (at least 1), nKV under ``jit``, or
+        ``max_blocks_per_row`` when given.
+      full_kv_num_blocks, full_kv_indices: the same for full tiles, with their own width
+        (causal: 1 for the partial lists, nKV - 1 for the full ones).
       q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transposed lists
         (per kv block, its q blocks) that the dK/dV pass walks.
       mask_consts: the arrays the mask_mod closes over.
@@ -294,12 +342,9 @@ class BlockMask:
                     return "\n".join(lines)
                 # Counted from the lists, never as an nQ x nKV array: a cell is full when
                 # all fq x fkv of its tiles are (cells past the grid's edge count as empty).
-                counts = []
-                for n, idx in ((self.kv_num_blocks, self.kv_indices), (self.full_kv_num_blocks, self.full_kv_indices)):
-                    n, idx = np.asarray(n[b, h]), np.asarray(idx[b, h])
-                    valid = np.arange(idx.shape[-1])[None, :] < n[:, None]
-                    r = np.broadcast_to(np.arange(nq)[:, None] // fq, idx.shape)[valid]
-                    counts.append(np.bincount(r * cols + idx[valid] // fkv, minlength=rows * cols).reshape(rows, cols))
+                counts = [_cell_counts(n, idx, b, h, fq, fkv, rows, cols)
+                          for n, idx in ((self.kv_num_blocks, self.kv_indices),
+                                         (self.full_kv_num_blocks, self.full_kv_indices))]
                 coarse = np.where(counts[1] == fq * fkv, FULL, np.where(counts[0] + counts[1] > 0, PARTIAL, EMPTY))
                 lines.append(f"b={b}, h={h}")
                 lines.extend("".join(chars[int(c)] * 2 for c in row) + "|" for row in coarse)
@@ -416,11 +461,11 @@ def _kv_band(bm: BlockMask) -> int | None:
         return None
     kv_n, kv_i, fkv_n, fkv_i = (np.asarray(x) for x in lists)
     nkv = bm.num_blocks[1]
-    cols = np.arange(kv_i.shape[-1])
 
     def ends(n, idx):
-        valid = cols < n[..., None]
-        return np.where(valid, idx, nkv).min(-1), np.where(valid, idx, -1).max(-1)
+        # Rows are ascending: their first entry and their n-th.
+        last = np.take_along_axis(idx, np.maximum(n - 1, 0)[..., None], axis=-1)[..., 0]
+        return np.where(n > 0, idx[..., 0], nkv), np.where(n > 0, last, -1)
 
     (f0, l0), (f1, l1) = ends(kv_n, kv_i), ends(fkv_n, fkv_i)
     width = np.maximum(l0, l1) - np.minimum(f0, f1) + 1
@@ -564,9 +609,14 @@ def _run_on_tiles(fn, mask, consts, coords, *rest):
     return np.array(fn(mask, consts, *args, *rest))[:n]
 
 
+def _nonzero(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``np.nonzero(x)``, ten times faster on a large n-d array with few hits."""
+    return np.unravel_index(np.flatnonzero(x), x.shape)
+
+
 def _blocks_of(top, code, f, nq, nkv):
     """(b, h, q block, kv block) of every block inside the super tiles of ``top`` equal to ``code``."""
-    sb, sh, sq, sk = np.nonzero(top == code)
+    sb, sh, sq, sk = _nonzero(top == code)
     off_q, off_k = np.divmod(np.arange(f * f, dtype=np.int32), f)
     qi = (sq[:, None].astype(np.int32) * f + off_q[None, :]).ravel()
     ki = (sk[:, None].astype(np.int32) * f + off_k[None, :]).ravel()
@@ -592,8 +642,9 @@ def _analysed_lists_eager(mask: StaticMod, consts, Bm, Hm, q_len, kv_len, bq, bk
 
     None when the analysis runs under a trace (the captured arrays or the whole build
     are traced): ``_analysed_states_traced`` is then used. Large grids are classified in
-    super tiles first; when few tiles are non-empty the lists are assembled from the
-    non-empty tiles alone, never from an nQ x nKV array.
+    super tiles first, and only the super tiles the analysis cannot decide are split into
+    blocks. The lists are assembled from runs of full super tiles and the non-empty
+    blocks of the undecided ones (``_direction_lists``), never from an nQ x nKV array.
     """
     nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
     f = _super_factor(nq, nkv)
@@ -601,45 +652,132 @@ def _analysed_lists_eager(mask: StaticMod, consts, Bm, Hm, q_len, kv_len, bq, bk
     if isinstance(top, jax.core.Tracer):
         return None
     top = np.asarray(top)
-    pad_q = (np.arange(nq) + 1) * bq > q_len
-    pad_k = (np.arange(nkv) + 1) * bkv > kv_len
     unknown = _blocks_of(top, UNKNOWN, f, nq, nkv)
-    sparse = f > 1 and ((top != EMPTY).sum() * f * f * 4 < Bm * Hm * nq * nkv)
-    if not sparse:
-        codes = np.repeat(np.repeat(top, f, axis=2), f, axis=3)[:, :, :nq, :nkv] if f > 1 else top.copy()
-        codes[unknown] = _decide(mask, consts, unknown, q_len, kv_len, bq, bkv)
-        codes[(codes == FULL) & (pad_q[:, None] | pad_k[None, :])] = PARTIAL
-        return lists_from_states(codes, width)
-    full = _blocks_of(top, FULL, f, nq, nkv)
-    ucodes = _decide(mask, consts, unknown, q_len, kv_len, bq, bkv)
-    keep = ucodes != EMPTY
-    coords = tuple(np.concatenate([a, u[keep]]) for a, u in zip(full, unknown))
-    codes = np.concatenate([np.full(full[0].shape, FULL, np.int8), ucodes[keep]])
-    codes[(codes == FULL) & (pad_q[coords[2]] | pad_k[coords[3]])] = PARTIAL
-    return _coo_lists(coords, codes, Bm, Hm, nq, nkv, width)
+    codes = _decide(mask, consts, unknown, q_len, kv_len, bq, bkv)
+    keep = codes != EMPTY
+    g, qi, ki = (unknown[0] * Hm + unknown[1])[keep], unknown[2][keep], unknown[3][keep]
+    full = (top == FULL).reshape((Bm * Hm,) + top.shape[2:])
+    pad_q, pad_k = q_len % bq != 0, kv_len % bkv != 0
+    kv = _direction_lists(full, f, g, qi, ki, codes[keep], nq, nkv, pad_q, pad_k, width, (Bm, Hm))
+    q = _direction_lists(full.swapaxes(1, 2), f, g, ki, qi, codes[keep], nkv, nq, pad_k, pad_q, width, (Bm, Hm))
+    return kv + q
 
 
-def _coo_lists(coords, codes, Bm, Hm, nq, nkv, width):
-    """``lists_from_states`` from the non-empty tiles alone: (b, h, q block, kv block) and codes."""
-    g = coords[0].astype(np.int64) * Hm + coords[1]
-    out = []
-    for rows, cols, n_rows, n_cols in ((coords[2], coords[3], nq, nkv), (coords[3], coords[2], nkv, nq)):
-        row = g * n_rows + rows
-        order = np.argsort(row * (2 * n_cols) + (codes == FULL) * n_cols + cols, kind="stable")
-        row_s, col_s, full_s = row[order], cols[order].astype(np.int32), codes[order] == FULL
-        total = Bm * Hm * n_rows
-        n_p = np.bincount(row_s[~full_s], minlength=total).astype(np.int32)
-        n_f = np.bincount(row_s[full_s], minlength=total).astype(np.int32)
-        need = int((n_p + n_f).max(initial=0))
-        w = _list_width(need, width, n_cols)
-        # Sorted by (row, full, column): an entry's place in its list is its rank in the row.
-        start = np.cumsum(n_p + n_f) - (n_p + n_f)
-        pos = np.arange(row_s.size) - start[row_s] - np.where(full_s, n_p[row_s], 0)
-        for n, sel in ((n_p, ~full_s), (n_f, full_s)):
-            idx = np.zeros((total, w), np.int32)
-            idx[row_s[sel], pos[sel]] = col_s[sel]
-            out += [jnp.asarray(n.reshape(Bm, Hm, n_rows)), jnp.asarray(idx.reshape(Bm, Hm, n_rows, w))]
-    return tuple(out)
+def _direction_lists(full, f, g, r, c, codes, n_rows, n_cols, pad_row, pad_col, width, lead):
+    """``(num, indices, full_num, full_indices)`` of one direction (rows: q blocks for the kv
+    lists, kv blocks for the q lists), from its non-empty tiles as column intervals.
+
+    Args:
+      full: bool (G, n_rows', n_cols'): the super tiles (f x f blocks) the analysis found
+        full; each run of them along a super row is one interval of each of its block rows.
+      g, r, c, codes: the other non-empty blocks (group b * Hm + h, row, column, PARTIAL or
+        FULL), one interval each.
+      pad_row, pad_col: the last row / column of blocks holds padding, so its full tiles
+        are partial.
+      width: ``max_blocks_per_row`` or None; lead: (Bm, Hm), G = Bm * Hm.
+    """
+    d = np.diff(full.astype(np.int8), axis=-1, prepend=np.int8(0), append=np.int8(0))
+    sg, ss, k0 = _nonzero(d == 1)
+    k1 = _nonzero(d == -1)[2]
+    rr = ss[:, None] * f + np.arange(f)
+    inside = rr < n_rows
+    per_run = inside.sum(1)
+    rows = np.concatenate([(sg[:, None] * n_rows + rr)[inside], g * n_rows + r])
+    c0 = np.concatenate([np.repeat(k0 * f, per_run), c])
+    c1 = np.concatenate([np.repeat(np.minimum(k1 * f, n_cols), per_run), c + 1])
+    is_full = np.concatenate([np.ones(rows.size - r.size, bool), codes == FULL])
+    if pad_row:
+        is_full &= rows % n_rows != n_rows - 1
+    if pad_col:
+        edge = is_full & (c1 == n_cols)
+        c1 = c1 - edge
+        rows, c0, c1 = (np.concatenate([x, y]) for x, y in ((rows, rows[edge]), (c0, c1[edge]), (c1, c1[edge] + 1)))
+        is_full = np.concatenate([is_full, np.zeros(int(edge.sum()), bool)])
+        keep = c0 < c1
+        rows, c0, c1, is_full = rows[keep], c0[keep], c1[keep], is_full[keep]
+    total = full.shape[0] * n_rows
+    kinds = [_runs(rows[is_full == kind], c0[is_full == kind], c1[is_full == kind], n_cols, total)
+             for kind in (False, True)]
+    need = int((kinds[0][3] + kinds[1][3]).max(initial=0))
+    out = ()
+    for run_row, run_c0, run_len, n in kinds:
+        w = _list_width(need, int(n.max(initial=0)), width, n_cols)
+        out += (jnp.asarray(n.reshape(lead + (n_rows,))),
+                _expand_runs(run_row, run_c0, run_len, n, w, n_cols, lead + (n_rows,)))
+    return out
+
+
+def _runs(rows, c0, c1, n_cols, total):
+    """Disjoint column intervals [c0, c1) of rows -> their maximal runs, ordered by (row,
+    column), as (row, first column, length), and each of the ``total`` rows' entry count."""
+    order = np.argsort(rows.astype(np.int64) * (n_cols + 1) + c0)
+    rows, c0, c1 = rows[order], c0[order], c1[order]
+    new = np.ones(rows.size, bool)
+    new[1:] = (rows[1:] != rows[:-1]) | (c0[1:] != c1[:-1])
+    ends = np.ones(rows.size, bool)
+    ends[:-1] = new[1:]
+    run_row, run_c0 = rows[new], c0[new]
+    run_len = c1[ends] - run_c0
+    return run_row, run_c0, run_len, np.bincount(run_row, weights=run_len, minlength=total).astype(np.int32)
+
+
+# Index lists of at least this many entries are written on the device (``_expand_jit``),
+# when their rows hold at most ``_DEVICE_RUNS`` runs: one fused pass, no host array to copy
+# (a NumPy list and its device copy would double the peak memory of a 256 MiB list).
+_DEVICE_LIST_ELEMENTS = 1 << 22
+# The pass costs one select per run and entry, memory-bound at few runs (CPU, 8192 x 8192
+# int32: 58 ms for 1 run, 62-69 ms for 8 on the idle 2-core machine; 90-98 ms for 1 and
+# 136-150 ms for 16 under load), still well under the host path's write and copy.
+_DEVICE_RUNS = 16
+
+
+def _expand_runs(run_row, run_c0, run_len, n, w, n_cols, shape):
+    """Index lists ``shape + (w,)`` int32 that list each row's runs (``_runs``) in order.
+
+    Entries past a row's count ``n`` continue its last run, capped at the last column, so
+    they are valid block indices.
+    """
+    total = n.size
+    per_row = np.bincount(run_row, minlength=total)
+    first = np.cumsum(per_row) - per_row
+    # Where each run starts in its row's list, and column - place over the run.
+    place = np.cumsum(run_len) - run_len - (np.cumsum(n, dtype=np.int64) - n)[run_row]
+    delta = (run_c0 - place).astype(np.int32)
+    most = int(per_row.max(initial=0))
+    if total * w >= _DEVICE_LIST_ELEMENTS and 0 < most <= _DEVICE_RUNS:
+        k = np.arange(run_row.size) - first[run_row]
+        starts = np.full((total, most), w, np.int32)
+        starts[run_row, k] = place
+        deltas = np.zeros((total, most), np.int32)
+        deltas[run_row, k] = delta
+        return _expand_jit(starts.reshape(shape + (most,)), deltas.reshape(shape + (most,)), w, n_cols)
+    # On the host: each row is its runs then one padding segment; an entry is its column
+    # in the list plus its segment's delta.
+    seg_len = np.empty(run_row.size + total, np.int64)
+    seg_delta = np.zeros(run_row.size + total, np.int32)
+    at_run = np.arange(run_row.size) + run_row
+    at_pad = first + per_row + np.arange(total)
+    seg_len[at_run], seg_len[at_pad] = run_len, w - n
+    seg_delta[at_run] = delta
+    has = per_row > 0
+    seg_delta[at_pad[has]] = delta[(first + per_row - 1)[has]]
+    idx = np.repeat(seg_delta, seg_len).reshape(total, w)
+    idx += np.arange(w, dtype=np.int32)
+    np.minimum(idx, n_cols - 1, out=idx)
+    return jnp.asarray(idx.reshape(shape + (w,)))
+
+
+def _expand_device(starts, deltas, w: int, n_cols: int):
+    """``_expand_runs`` on the device: entry t of a row is t plus the delta of its last run
+    starting at or before t (``starts`` past the runs are ``w``: never reached)."""
+    t = jnp.arange(w, dtype=jnp.int32)
+    shift = deltas[..., :1]
+    for k in range(1, starts.shape[-1]):
+        shift = jnp.where(t >= starts[..., k:k + 1], deltas[..., k:k + 1], shift)
+    return jnp.minimum(t + shift, n_cols - 1)
+
+
+_expand_jit = jax.jit(_expand_device, static_argnums=(2, 3))
 
 
 def _analysed_states_traced(mask: StaticMod, consts, Bm, Hm, q_len, kv_len, bq, bkv):
@@ -728,9 +866,11 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
       Q_LEN, KV_LEN: sequence lengths (any positive ints).
       block_size: tile size, an int or ``(block_q, block_kv)``.
       analyse: False evaluates every pair (no analysis), for comparison.
-      max_blocks_per_row: width of the index lists (at most nKV / nQ). Eagerly the lists
-        are as wide as the widest row needs; under ``jit`` they are nKV (nQ) wide unless
-        this bound is given. A row that needs more raises ``ValueError`` eagerly; under
+      max_blocks_per_row: a bound on the partial + full tiles of any row (q block, or kv
+        block for the transposed lists), and then the width of all the index lists (at most
+        nKV / nQ). Without it, eagerly each list is as wide as its widest row needs
+        (partial and full lists apart); under ``jit`` they are nKV (nQ) wide. A row that
+        needs more than the bound raises ``ValueError`` eagerly; under
         ``jit`` a host callback raises it when the computation runs, which surfaces as a
         ``JaxRuntimeError`` carrying the message (the error cannot be missed, and a bound
         that holds costs one comparison).
@@ -749,8 +889,9 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     if mask_mod is None:
         return full_block_mask(B, H, Q_LEN, KV_LEN, block_size=(bq, bkv))
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
-    check_broadcast(traced.static(), B_arg, H_arg)
-    return _with_kv_band(_build_mask(traced.static(), traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv, analyse,
+    static = traced.static()  # its key prints the jaxpr: once, not per use
+    check_broadcast(static, B_arg, H_arg)
+    return _with_kv_band(_build_mask(static, traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv, analyse,
                                      max_blocks_per_row))
 
 

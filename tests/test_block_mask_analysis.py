@@ -107,10 +107,11 @@ def _same(a, b):
 
 
 # Builder paths by grid size: one compiled call (small grids), host-side assembly with
-# block-level analysis, and super tiles refined into blocks (dense or from the non-empty
-# tiles alone). Shrinking the thresholds runs each path on small masks.
+# block-level analysis, super tiles refined into blocks, and the index lists written on
+# the device. Shrinking the thresholds runs each path on small masks.
 PATHS = {"one_call": {}, "blocks": {"_SMALL_GRID": 0},
-         "super_tiles": {"_SMALL_GRID": 0, "_ANALYSIS_TILES": 8}}
+         "super_tiles": {"_SMALL_GRID": 0, "_ANALYSIS_TILES": 8},
+         "device_lists": {"_SMALL_GRID": 0, "_ANALYSIS_TILES": 8, "_DEVICE_LIST_ELEMENTS": 0}}
 
 
 @settings(deadline=None)
@@ -152,9 +153,9 @@ def test_unknown_primitive_falls_back_to_enumeration():
 
 def test_compact_lists_and_max_blocks_per_row():
     bm = flexjax.create_block_mask(masks.sliding_window(64), None, None, 1024, 1024, block_size=32)
-    # Each q block sees a partial, a full and a partial tile: lists of width 3, not 32.
-    assert bm.kv_indices.shape == (1, 1, 32, 3) and bm.full_kv_indices.shape == (1, 1, 32, 3)
-    assert bm.q_indices.shape == (1, 1, 32, 3) and bm.num_blocks == (32, 32)
+    # Each q block sees a partial, a full and a partial tile: lists of width 2 and 1, not 32.
+    assert bm.kv_indices.shape == (1, 1, 32, 2) and bm.full_kv_indices.shape == (1, 1, 32, 1)
+    assert bm.q_indices.shape == (1, 1, 32, 2) and bm.num_blocks == (32, 32)
     full = flexjax.create_block_mask(masks.sliding_window(64), None, None, 1024, 1024, block_size=32, analyse=False)
     _same(bm, full)
     assert bm.to_dense().shape == (1, 1, 32, 32) and abs(bm.sparsity() - full.sparsity()) < 1e-9
@@ -177,8 +178,8 @@ def test_compact_lists_and_max_blocks_per_row():
 def test_sliding_window_at_one_million_holds_linear_index_data():
     S = 1 << 20
     bm = flexjax.create_block_mask(masks.sliding_window(4096), None, None, S, S)
-    assert bm.kv_indices.shape == (1, 1, 8192, 33)
-    assert bm.q_indices.shape == (1, 1, 8192, 33)
+    assert bm.kv_indices.shape == (1, 1, 8192, 2) and bm.full_kv_indices.shape == (1, 1, 8192, 31)
+    assert bm.q_indices.shape == (1, 1, 8192, 2) and bm.full_q_indices.shape == (1, 1, 8192, 31)
     assert 99.0 < bm.sparsity() < 99.7
     assert "BlockMask(shape=(1, 1, 1048576, 1048576)" in bm.to_string(grid_size=(8, 16))
 

@@ -83,9 +83,10 @@ def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
     cells = states.reshape(B, H, nqc, fq, nkc, fk)
     coarse = jnp.where((cells == FULL).all((3, 5)), FULL,
                        jnp.where((cells != EMPTY).any((3, 5)), PARTIAL, EMPTY)).astype(jnp.int8)
-    # A coarse row gathers fq block rows of at most (list width) tiles each: the coarse
-    # lists need no more, so compact lists stay compact.
-    return lists_from_states(coarse, (min(nkc, fq * lists[1].shape[-1]), min(nqc, fk * lists[5].shape[-1])))
+    # A coarse row gathers fq block rows of at most (partial + full list widths) tiles each:
+    # the coarse lists need no more, so compact lists stay compact.
+    return lists_from_states(coarse, (min(nkc, fq * (lists[1].shape[-1] + lists[3].shape[-1])),
+                                      min(nqc, fk * (lists[5].shape[-1] + lists[7].shape[-1]))))
 
 
 def max_sum_row_stats(lse, residuals):

@@ -34,12 +34,17 @@ def _lists_at(g: Geom, refs, b, h, row, t):
     bm = b if g.Bm > 1 else 0
     hm = h if g.Hm > 1 else 0
     n, nf = n_ref[bm, hm, row], fn_ref[bm, hm, row]
-    last = i_ref.shape[-1] - 1
     # Past the row's end, repeat its last block (no new DMA); an empty row reads block 0.
     tt = jnp.maximum(jnp.minimum(t, n + nf - 1), 0)
-    partial_blk = i_ref[bm, hm, row, jnp.minimum(tt, last)]
-    full_blk = fi_ref[bm, hm, row, jnp.clip(tt - n, 0, last)]
+    partial_blk = i_ref[bm, hm, row, jnp.minimum(tt, i_ref.shape[-1] - 1)]
+    full_blk = fi_ref[bm, hm, row, jnp.clip(tt - n, 0, fi_ref.shape[-1] - 1)]
     return jnp.where(tt < n, partial_blk, full_blk), t < n, (t >= n) & (t < n + nf)
+
+
+def _steps(idx, full_idx, n_tiles: int) -> int:
+    """Grid steps that walk a row of the lists: its partial then its full tiles, at most
+    the lists' widths together and the row's tiles (both lists may be that wide)."""
+    return min(idx.shape[-1] + full_idx.shape[-1], n_tiles)
 
 
 def _bh(uses, b, h):
@@ -199,7 +204,7 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
     G = g.G
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     D, Dv = q.shape[-1], v.shape[-1]
-    nsteps = lists[1].shape[-1]
+    nsteps = _steps(lists[1], lists[3], g.skv // g.ck)
     L = lists[:4]
 
     def kv_map(b, h, i, t, *refs):
@@ -376,7 +381,8 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32) for f in float_rows if f]
     out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, 1, win.size), jnp.float32) for f in float_diags if f]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(g.B, g.Hq, nq, lists[1].shape[-1]), in_specs=in_specs, out_specs=out_specs,
+        num_scalar_prefetch=4, grid=(g.B, g.Hq, nq, _steps(lists[1], lists[3], g.skv // g.ck)),
+        in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((g.tq, D), jnp.float32)] + [pltpu.VMEM((g.tq, 1), jnp.float32)
                                                                for f in float_rows if f])
     kernel = functools.partial(_dq_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro), n_drows=sum(float_rows),
@@ -391,7 +397,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     d_rows += tuple(next(it) if f else None for f in float_diags)
 
     # dK/dV: grid (b, kv head, kv tile, step over (query head of the group, q list)).
-    nq = lists[5].shape[-1]  # steps per query head: the q lists' width (compact lists: not the q tiles)
+    nq = _steps(lists[5], lists[7], g.sq // g.cq)  # steps per query head (compact lists: not the q tiles)
 
     def q_map(b, kvh, j, t, *refs):
         h = kvh * G + t // nq
@@ -421,10 +427,10 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     out_shape = [jax.ShapeDtypeStruct(kt.shape, k.dtype), jax.ShapeDtypeStruct(vt.shape, v.dtype)]
     out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, 1, g.skv), jnp.float32) for f in float_cols if f]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(g.B, g.Hkv, nk, G * lists[5].shape[-1]), in_specs=in_specs,
+        num_scalar_prefetch=4, grid=(g.B, g.Hkv, nk, G * nq), in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=[pltpu.VMEM((g.tk, D), jnp.float32), pltpu.VMEM((g.tk, Dv), jnp.float32)])
     kernel = functools.partial(_dkv_kernel, g=g, mods=mods, scale=scale, pros=(s_pro, m_pro),
-                               n_dcols=sum(float_cols), nq=lists[5].shape[-1], rate=rate)
+                               n_dcols=sum(float_cols), nq=nq, rate=rate)
     dk, dv, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, compiler_params=_params(3),
                                    interpret=interpret, name="flexjax_bwd_dkv",
                                    )(*lists[4:], qt, kt, vt, dot_, lse, delta, *pro_args)
