@@ -485,9 +485,12 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
     from . import cpu  # the same forward as one fused C++ call (AVX-512 CPUs with a C++ compiler)
     if cpu.reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) is None:
-        out, m, l = cpu.forward(spec, q, k, v, score_consts, mask_consts, lists)
-        lse, row_max, log_sum = stats_of_rows(m, l)
-        return out, lse, (row_max, log_sum)
+        return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists, _loops_forward)
+    return _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+
+
+def _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    """``forward_with_residuals`` in XLA ops: a loop over each q tile's kv tiles (or the band forward)."""
     g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
     hkv = k.shape[2]
     skv_pad = max(g.nk * g.tk, band or 0)

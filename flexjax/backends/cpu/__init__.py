@@ -34,6 +34,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
 
 from . import _codegen
 
@@ -53,7 +55,7 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_has_avx512() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
@@ -67,7 +69,7 @@ def _cpu_has_avx512() -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_id(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -193,24 +195,90 @@ def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None
     return None
 
 
-def forward(spec, q, k, v, score_consts, mask_consts, lists):
-    """out (B, Sq, Hq, Dv) in q's dtype and each row's running max and sum (B, Hq, Sq) float32."""
-    B, Sq, Hq, _ = q.shape
-    Dv = v.shape[-1]
-    score_fn = _mod_address(spec.score, score_consts)
-    mask_fn = _mod_address(spec.mask, mask_consts)
-    kv_n, kv_i, fkv_n, fkv_i = (jnp.asarray(x, jnp.int32) for x in lists[:4])
-    consts = [*score_consts, *mask_consts] if spec.score is not None else [*mask_consts]
+def forward(spec, q, k, v, score_consts, mask_consts, lists, loops):
+    """out (B, Sq, Hq, Dv) in q's dtype, lse and each row's (max, log-sum), (B, Hq, Sq) float32.
+
+    One primitive (``flexjax_cpu_attention``): lowered for CPU it is the kernel's FFI call;
+    lowered for export (``jax.export``, whose artifacts must not hold this process's
+    function addresses) or for another platform it is ``loops(spec, q, k, v, score_consts,
+    mask_consts, lists)``, the xla backend's own forward, which gives the same result.
+    """
+    lists = tuple(jnp.asarray(x, jnp.int32) for x in lists)
+    if len(lists) != 8:
+        raise ValueError(f"expected the BlockMask's 8 tile lists, got {len(lists)}")
     n_score = len(score_consts) if spec.score is not None else 0
-    if spec.mask is None:
-        consts = consts[:n_score]
+    n_mask = len(mask_consts) if spec.mask is not None else 0
+    args = (q, k, v, *lists, *score_consts[:n_score], *mask_consts[:n_mask])
+    out, lse, row_max, log_sum = _attention_p.bind(*args, spec=spec, n_score=n_score, n_mask=n_mask, loops=loops)
+    return out, lse, (row_max, log_sum)
+
+
+def _split(args, n_score):
+    q, k, v, *rest = args
+    return q, k, v, tuple(rest[:8]), tuple(rest[8:8 + n_score]), tuple(rest[8 + n_score:])
+
+
+def _kernel_impl(*args, spec, n_score, n_mask, loops):
+    from .._common import row_stats
+
+    q, k, v, lists, score_consts, mask_consts = _split(args, n_score)
+    B, Sq, Hq, _ = q.shape
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    outs = (jax.ShapeDtypeStruct((B, Sq, Hq, Dv), jnp.float32),
+    outs = (jax.ShapeDtypeStruct((B, Sq, Hq, v.shape[-1]), jnp.float32),
             jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
             jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
     call = jax.ffi.ffi_call(_TARGET, outs, vmap_method="sequential")
-    out, m, l = call(f32(q), f32(k), f32(v), kv_n, kv_i, fkv_n, fkv_i, *consts,
+    out, m, l = call(f32(q), f32(k), f32(v), *lists[:4], *score_consts, *mask_consts,
                      scale=np.float32(spec.scale), block_q=np.int64(spec.block_size[0]),
                      block_kv=np.int64(spec.block_size[1]), kv_len=np.int64(spec.kv_len),
-                     score_fn=np.int64(score_fn), mask_fn=np.int64(mask_fn), n_score_consts=np.int64(n_score))
-    return out.astype(q.dtype), m, l
+                     score_fn=np.int64(_mod_address(spec.score, score_consts)),
+                     mask_fn=np.int64(_mod_address(spec.mask, mask_consts)), n_score_consts=np.int64(n_score))
+    lse, row_max, log_sum = row_stats(m, l)
+    return out.astype(q.dtype), lse, row_max, log_sum
+
+
+def _loops_impl(*args, spec, n_score, n_mask, loops):
+    q, k, v, lists, score_consts, mask_consts = _split(args, n_score)
+    out, lse, (row_max, log_sum) = loops(spec, q, k, v, score_consts, mask_consts, lists)
+    return out, lse, row_max, log_sum
+
+
+def _abstract_eval(*avals, spec, n_score, n_mask, loops):
+    q, _, v = avals[:3]
+    B, Sq, Hq, _ = q.shape
+    stat = jax.core.ShapedArray((B, Hq, Sq), jnp.float32)
+    return [jax.core.ShapedArray((B, Sq, Hq, v.shape[-1]), q.dtype), stat, stat, stat]
+
+
+def _lowering(ctx, *args, **params):
+    lp = ctx.module_context.lowering_parameters
+    on_cpu = tuple(ctx.module_context.platforms) == ("cpu",)
+    impl = _kernel_impl if on_cpu and not getattr(lp, "for_export", False) else _loops_impl
+    return mlir.lower_fun(functools.partial(impl, **params), multiple_results=True)(ctx, *args)
+
+
+def _batch(args, dims, **params):
+    """vmap: the kernel once per element of the mapped axis (as ``vmap_method="sequential"``)."""
+    mapped = [i for i, d in enumerate(dims) if d is not None]
+    xs = [jnp.moveaxis(args[i], dims[i], 0) for i in mapped]
+
+    def one(xs_):
+        full = list(args)
+        for i, x in zip(mapped, xs_):
+            full[i] = x
+        return tuple(_attention_p.bind(*full, **params))
+
+    out = jax.lax.map(one, xs)
+    return list(out), [0] * len(out)
+
+
+def _eager(*args, **params):
+    return jax.jit(functools.partial(_attention_p.bind, **params))(*args)
+
+
+_attention_p = jex_core.Primitive("flexjax_cpu_attention")
+_attention_p.multiple_results = True
+_attention_p.def_impl(_eager)
+_attention_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(_attention_p, _lowering)
+batching.primitive_batchers[_attention_p] = _batch
