@@ -48,11 +48,13 @@ def test_catalog_float32(name, shape):
     check_case("xla", name, KSHAPES[shape])
 
 
+@pytest.mark.slow  # `make test-all`; the catalog grid above covers the default suite
 @pytest.mark.parametrize("name", ["causal+soft_cap", "document+t5", "sliding_window+alibi"])
 def test_catalog_bfloat16(name):
     check_case("xla", name, KSHAPES["gqa_ragged"], jnp.bfloat16)
 
 
+@pytest.mark.slow  # `make test-all`; the catalog grid above covers the default suite
 @pytest.mark.parametrize("block_size", [(128, 128), (32, 64), (128, 64)])
 def test_block_sizes(block_size):
     """Mask blocks other than 64, including row tiles that are not a multiple of 64."""
@@ -61,6 +63,7 @@ def test_block_sizes(block_size):
         check_case("xla", name, shape, block_size=block_size)
 
 
+@pytest.mark.slow  # `make test-all`; the catalog grid above covers the default suite
 def test_wide_heads():
     """D and Dv of 128 and 80 (Dv 64 + 16)."""
     check_case("xla", "causal+soft_cap", (1, 160, 160, 2, 1, 128, 80))
@@ -132,6 +135,7 @@ def test_captured_arrays():
     _compare(score_mod=score, mask_mod=mask)
 
 
+@pytest.mark.slow  # `make test-all`; the catalog grid above covers the default suite
 def test_library_mods():
     _compare(score_mod=mods.alibi(2), mask_mod=flexjax.and_masks(masks.causal, masks.sliding_window(40)))
     _compare(score_mod=mods.soft_cap(5.0), mask_mod=flexjax.or_masks(masks.prefix_lm(20), masks.causal))
@@ -189,6 +193,7 @@ def test_fully_masked_and_neg_inf_rows():
         check_case("xla", name, KSHAPES["mha"])
 
 
+@pytest.mark.slow  # `make test-all`; the catalog grid above covers the default suite
 def test_bf16_lse_and_gradients_match_loops():
     """The kernel and the XLA loops agree closely (the backward is shared)."""
     name, shape = "document+t5", KSHAPES["gqa_ragged"]
