@@ -141,7 +141,7 @@ def _cases():
 @pytest.mark.parametrize("backend,options", [("xla", None), ("xla", {"block_q": 64, "block_kv": 64}),
                                              ("pallas", None), ("pallas", {"target": "tpu", "interpret": True})],
                          ids=["xla", "xla_coarse", "pallas_gpu_interpret", "pallas_tpu_interpret"])
-# Default suite: one mask per backend (the backends in turn); `make test-all` runs the grid.
+# Default suite: the sliding-window case on every backend; `make test-all` runs the other masks.
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == 1 else pytest.mark.slow)
                                   for c in range(len(_cases()))])
 def test_forward_and_backward_with_own_widths(backend, options, case):
