@@ -117,7 +117,8 @@ def _build(source: str, name: str) -> Path:
     """Compiles ``source`` into a shared library (cached by a digest of source, compiler and flags)."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
-    digest = hashlib.sha256("\n".join([source, cxx, _compiler_id(cxx), " ".join(_FLAGS), include,
+    header = (_HERE / "vec.h").read_text()  # included by the kernel and every generated mod
+    digest = hashlib.sha256("\n".join([source, header, cxx, _compiler_id(cxx), " ".join(_FLAGS), include,
                                        jax.__version__]).encode()).hexdigest()[:24]
     out_dir = _cache_dir()
     out = out_dir / f"{name}-{digest}.so"
@@ -128,7 +129,7 @@ def _build(source: str, name: str) -> Path:
         src = Path(tmp) / f"{name}.cc"
         src.write_text(source)
         lib = Path(tmp) / f"{name}.so"
-        cmd = [cxx, *_FLAGS, f"-I{include}", str(src), "-o", str(lib)]
+        cmd = [cxx, *_FLAGS, f"-I{_HERE}", f"-I{include}", str(src), "-o", str(lib)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")

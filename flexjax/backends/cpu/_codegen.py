@@ -48,46 +48,8 @@ _C_POINTER = {"float32": "const float*", "int32": "const int32_t*", "uint32": "c
               "bool": "const uint8_t*"}
 
 PRELUDE = r"""
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <climits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-static inline v16 fj_ld(const float* p) { return *(const v16u*)p; }
-static inline void fj_st(float* p, v16 x) { *(v16u*)p = x; }
-static inline v16 fj_f(float x) { v16 r; for (int i = 0; i < 16; ++i) r[i] = x; return r; }
-static inline vi16 fj_i(int32_t x) { vi16 r; for (int i = 0; i < 16; ++i) r[i] = x; return r; }
-static inline vu16 fj_u(uint32_t x) { vu16 r; for (int i = 0; i < 16; ++i) r[i] = x; return r; }
+#include "vec.h"  // v16 / vi16 / vu16, fj_ld, fj_st, fj_f, fj_i, fj_u, fj_vexp
 static inline vi16 fj_b(bool x) { return fj_i(x ? -1 : 0); }
-static inline v16 fj_vexp(v16 x) {
-  const float hi = 88.72283935546875f, lo = -87.33654022216797f;
-  v16 xc = x > hi ? fj_f(hi) : x;
-  xc = xc < lo ? fj_f(lo) : xc;
-  v16 t = xc * 1.44269504088896341f;
-  v16 n = (t + 12582912.0f) - 12582912.0f;
-  v16 r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16 p = fj_f(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &e, sizeof(e));
-  v16 y = p * two_n;
-  y = x < lo ? fj_f(0.0f) : y;
-  y = x > hi ? fj_f(INFINITY) : y;
-  return x != x ? x : y;
-}
 static inline float fj_exp(float x) { return expf(x); }
 // |x| < 0.3: odd Taylor series to x^13; beyond, (1 - t) / (1 + t) with t = exp(-2|x|).
 static inline v16 fj_vtanh(v16 x) {
@@ -202,19 +164,18 @@ class _Emitter:
             return v.text
         return {"float32": "fj_f", "int32": "fj_i", "uint32": "fj_u", "bool": "fj_b"}[v.dtype] + f"({v.text})"
 
-    def as_mask(self, v: _Val) -> str:
-        """A bool value as a vector lane mask (-1 / 0)."""
-        return self.vec(v)
+
+def _lanes(em: _Emitter, lane_expr: str, dtype: str) -> _Val:
+    """A vector computed lane by lane: ``lane_expr`` is lane ``_l``'s scalar value (bools as -1 / 0)."""
+    name = f"t{em.count}"
+    em.count += 1
+    em.inner.append(f"{_C_VECTOR[dtype]} {name}; for (int _l = 0; _l < 16; ++_l) {name}[_l] = {lane_expr};")
+    return _Val(name, True, dtype)
 
 
 def _lane_loop(em: _Emitter, fn: str, args: list[str], dtype: str) -> _Val:
     """A vector computed lane by lane with a scalar function."""
-    name = f"t{em.count}"
-    em.count += 1
-    ctype = _C_VECTOR[dtype]
-    lanes = ", ".join(f"{a}[_l]" for a in args)
-    em.inner.append(f"{ctype} {name}; for (int _l = 0; _l < 16; ++_l) {name}[_l] = {fn}({lanes});")
-    return _Val(name, True, dtype)
+    return _lanes(em, f"{fn}({', '.join(f'{a}[_l]' for a in args)})", dtype)
 
 
 def _op(em: _Emitter, node, ins: list[_Val]) -> _Val:
@@ -432,14 +393,8 @@ def _read(em: _Emitter, node, env, arrays: dict) -> _Val:
         flat = em.assign(f"({a} * {n} + {b})", vec, "int32")
     load = f"{ptr}[{{}}]" if dtype != "bool" else f"({ptr}[{{}}] != 0)"
     if flat.vec:
-        if out == "bool":
-            val = _lane_loop(em, "", [], "bool")  # placeholder, filled below
-            em.inner[-1] = (f"vi16 {val.text}; for (int _l = 0; _l < 16; ++_l) {val.text}[_l] = "
-                            f"{load.format(flat.text + '[_l]')} ? -1 : 0;")
-        else:
-            val = _lane_loop(em, "", [], out)
-            em.inner[-1] = (f"{_C_VECTOR[out]} {val.text}; for (int _l = 0; _l < 16; ++_l) {val.text}[_l] = "
-                            f"{load.format(flat.text + '[_l]')};")
+        lane = load.format(flat.text + "[_l]")
+        val = _lanes(em, f"{lane} ? -1 : 0" if out == "bool" else lane, out)
     else:
         val = em.assign(load.format(flat.text), False, out)
     if fill is not None:

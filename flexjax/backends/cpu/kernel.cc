@@ -19,51 +19,10 @@
 #include <thread>
 #include <vector>
 
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-static inline v16 ld(const float* p) { return *(const v16u*)p; }
-static inline void st(float* p, v16 x) { *(v16u*)p = x; }
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline v16 splat(float x) { return (v16)_mm512_set1_ps(x); }
-#else
-// x - 0 is x for every x (unlike 0 + x, which turns -0 into +0), so the compiler emits a
-// plain broadcast.
-static inline v16 splat(float x) { return x - (v16){}; }
-#endif
-
-// exp of 16 lanes: 2^n * e^r with |r| <= ln2/2, a degree-6 polynomial (Cephes' expf
-// coefficients); 0 below -87.34 (and for -inf), inf above 88.72, NaN stays NaN.
-static inline v16 vexp(v16 x) {
-  const v16 hi = splat(88.72283935546875f), lo = splat(-87.33654022216797f);
-  v16 xc = x > hi ? hi : x;
-  xc = xc < lo ? lo : xc;
-  v16 t = xc * 1.44269504088896341f;
-  v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-  v16 r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &e, sizeof(e));
-  v16 y = p * two_n;
-  y = x < lo ? splat(0.0f) : y;
-  y = x > hi ? splat(INFINITY) : y;
-  y = x != x ? x : y;
-  return y;
-}
 
 // Whether any lane of a mask row (0 allowed, -inf excluded) is allowed.
 static inline bool allowed_any(v16 x) {
@@ -76,16 +35,16 @@ static inline bool allowed_any(v16 x) {
 #endif
 }
 
-// exp of 16 lanes known to be <= 0 or NaN (s - max in the softmax): vexp without the
+// exp of 16 lanes known to be <= 0 or NaN (s - max in the softmax): fj_vexp without the
 // overflow branch, with AVX-512's scalef doing 2^n.
 static inline v16 vexp_le0(v16 x) {
 #if defined(__AVX512F__)
-  const v16 lo = splat(-87.33654022216797f);
+  const v16 lo = fj_f(-87.33654022216797f);
   v16 xc = x < lo ? lo : x;
   v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   v16 r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
+  v16 p = fj_f(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -93,9 +52,9 @@ static inline v16 vexp_le0(v16 x) {
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
   v16 y = (v16)_mm512_scalef_ps((__m512)p, (__m512)n);
-  return x < lo ? splat(0.0f) : y;
+  return x < lo ? fj_f(0.0f) : y;
 #else
-  return vexp(x);
+  return fj_vexp(x);
 #endif
 }
 
@@ -108,20 +67,20 @@ static inline void qk_block(const float* K, int64_t ks, const float* Qt, int ldq
                             int c0, int r0) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = splat(0.0f);
+    for (int j = 0; j < NV; ++j) acc[i][j] = fj_f(0.0f);
   const float* krow[MR];
   for (int i = 0; i < MR; ++i) krow[i] = K + (int64_t)(c0 + i) * ks;
   for (int d = 0; d < D; ++d) {
     v16 qv[NV];
-    for (int j = 0; j < NV; ++j) qv[j] = ld(Qt + (int64_t)d * ldq + r0 + 16 * j);
+    for (int j = 0; j < NV; ++j) qv[j] = fj_ld(Qt + (int64_t)d * ldq + r0 + 16 * j);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      v16 kb = splat(krow[i][d]);
+      v16 kb = fj_f(krow[i][d]);
       for (int j = 0; j < NV; ++j) acc[i][j] += kb * qv[j];
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) st(St + (int64_t)(c0 + i) * ldS + r0 + 16 * j, acc[i][j]);
+    for (int j = 0; j < NV; ++j) fj_st(St + (int64_t)(c0 + i) * ldS + r0 + 16 * j, acc[i][j]);
 }
 
 template <int NV>
@@ -140,20 +99,20 @@ static inline void pv_block(const float* P, int ldP, const float* V, int64_t vs,
                             int ldo, int r0, int v0, const float* alpha) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j) * alpha[r0 + i];
+    for (int j = 0; j < NV; ++j) acc[i][j] = fj_ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j) * alpha[r0 + i];
   for (int c = c_lo; c < c_hi; ++c) {
     v16 vv[NV];
     const float* vr = V + (int64_t)c * vs + v0;
-    for (int j = 0; j < NV; ++j) vv[j] = ld(vr + 16 * j);
+    for (int j = 0; j < NV; ++j) vv[j] = fj_ld(vr + 16 * j);
     const float* pr = P + (int64_t)c * ldP + r0;
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      v16 pb = splat(pr[i]);
+      v16 pb = fj_f(pr[i]);
       for (int j = 0; j < NV; ++j) acc[i][j] += pb * vv[j];
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) st(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j, acc[i][j]);
+    for (int j = 0; j < NV; ++j) fj_st(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j, acc[i][j]);
 }
 
 template <int NV>
@@ -251,7 +210,7 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
         for (int c = 0; c < nc; ++c) {
           const float* mr = M + (int64_t)c * nrp;
           for (int g = 0; g < ng; ++g) {
-            if (allowed_any(ld(mr + 16 * g))) {
+            if (allowed_any(fj_ld(mr + 16 * g))) {
               lo[g] = std::min(lo[g], c);
               hi[g] = c + 1;
             }
@@ -282,32 +241,32 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
       }
       for (int g = 0; g < ng; ++g) {
         const int r = 16 * g;
-        v16 m_old = ld(w.m.data() + r), mx = m_old;
+        v16 m_old = fj_ld(w.m.data() + r), mx = m_old;
         if (masked) {
           for (int c = lo[g]; c < hi[g]; ++c) {
             float* p = S + (int64_t)c * nrp + r;
-            v16 x = ld(p);
-            x = ld(M + (int64_t)c * nrp + r) == 0.0f ? x : splat(-INFINITY);
-            st(p, x);
+            v16 x = fj_ld(p);
+            x = fj_ld(M + (int64_t)c * nrp + r) == 0.0f ? x : fj_f(-INFINITY);
+            fj_st(p, x);
             mx = x > mx ? x : mx;
           }
         } else {
           for (int c = lo[g]; c < hi[g]; ++c) {
-            v16 x = ld(S + (int64_t)c * nrp + r);
+            v16 x = fj_ld(S + (int64_t)c * nrp + r);
             mx = x > mx ? x : mx;
           }
         }
-        v16 sum = splat(0.0f);
+        v16 sum = fj_f(0.0f);
         for (int c = lo[g]; c < hi[g]; ++c) {
           float* p = S + (int64_t)c * nrp + r;
-          v16 e = vexp_le0(ld(p) - mx);
-          st(p, e);
+          v16 e = vexp_le0(fj_ld(p) - mx);
+          fj_st(p, e);
           sum += e;
         }
         v16 alpha = vexp_le0(m_old - mx);
-        st(w.l.data() + r, ld(w.l.data() + r) * alpha + sum);
-        st(w.m.data() + r, mx);
-        st(w.alpha.data() + r, alpha);
+        fj_st(w.l.data() + r, fj_ld(w.l.data() + r) * alpha + sum);
+        fj_st(w.m.data() + r, mx);
+        fj_st(w.alpha.data() + r, alpha);
       }
       // A group with no allowed column keeps its max, so its rows' alpha is 1.
       for (int g = 0; g < ng; ++g) {
