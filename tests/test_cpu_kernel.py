@@ -202,3 +202,23 @@ def test_bf16_lse_and_gradients_match_loops():
     a = loss_and_grads(attention, q, k, v, do, params, backend="xla")
     b = loss_and_grads(attention, q, k, v, do, params, backend="xla", kernel_options={"cpu_kernel": False})
     assert_close(name, a, b, b, jnp.float32)
+
+
+def _grad_hlo(case, shape, **kw):
+    _, params, attention = build(case, shape)
+    q, k, v, do = inputs(shape, jnp.float32)
+
+    def loss(q, k, v, p):
+        return jnp.sum(attention(q, k, v, p, backend="xla", **kw)[0] * do)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, params).as_text()
+
+
+def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
+    """dq, dk, dv come from the C++ backward; a learned table's gradient sends the call to the XLA loops."""
+    shape = (1, 150, 150, 4, 2, 16, 32)
+    for name in ("causal+soft_cap", "sliding_window+alibi", "document+t5"):
+        hlo = _grad_hlo(BY_NAME[name], shape)
+        assert ("flexjax_cpu_backward" in hlo) == (name != "document+t5"), name
+        check_case("xla", name, shape)
+    assert "flexjax_cpu_backward" not in _grad_hlo(BY_NAME["causal"], shape, kernel_options={"cpu_kernel": False})

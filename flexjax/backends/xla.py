@@ -522,6 +522,18 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     ``residuals``: the (row max, log-sum) of ``forward_with_residuals``: P is recomputed
     from them, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
     """
+    from . import cpu  # dq, dk, dv as one fused C++ call (no gradients of captured arrays)
+    if cpu.backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed) is None:
+        dq, dk, dv = cpu.backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals,
+                                  _loops_backward)
+        return dq, dk, dv, (None,) * len(score_consts)
+    return _loops_backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts,
+                           residuals, dropout_seed)
+
+
+def _loops_backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
+                    dropout_seed=None):
+    """``backward`` in XLA ops: a loop over kv tiles, each over its q tiles."""
     g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
     B, Sq, Hq, D = q.shape
     hkv = k.shape[2]

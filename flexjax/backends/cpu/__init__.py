@@ -41,6 +41,7 @@ from . import _codegen
 
 _HERE = Path(__file__).resolve().parent
 _TARGET = "flexjax_cpu_forward"
+_BWD_TARGET = "flexjax_cpu_backward"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fwrapv")
 _LOCK = threading.Lock()
 _LIBS: dict = {}  # keeps every loaded library (and so its function addresses) alive
@@ -151,6 +152,7 @@ def _kernel():
             return _LIBS["kernel"]
         lib = _load(_build((_HERE / "kernel.cc").read_text(), "kernel"))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.FlexjaxCpuForward), platform="cpu")
+        jax.ffi.register_ffi_target(_BWD_TARGET, jax.ffi.pycapsule(lib.FlexjaxCpuBackward), platform="cpu")
         _LIBS["kernel"] = lib
         return lib
 
@@ -170,11 +172,41 @@ _COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None:
-    """Why this call cannot run in the kernel, or None when it can (builds the mods' C++)."""
+    """Why this forward cannot run in the kernel, or None when it can (builds the mods' C++)."""
     if spec.options.get("cpu_kernel", True) is False:
         return "kernel_options cpu_kernel=False"
     if any(spec.options.get(f) for f in ("block_q", "block_kv")):
         return "explicit forward tiles in kernel_options"
+    return _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed)
+
+
+def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed) -> str | None:
+    """Why this backward cannot run in the kernel, or None when it can.
+
+    The kernel returns dq, dk and dv; gradients of a score_mod's captured arrays (a learned
+    bias table) are left to the XLA loops, which accumulate them.
+    """
+    if spec.options.get("cpu_kernel", True) is False:
+        return "kernel_options cpu_kernel=False"
+    if any(spec.options.get(f) for f in ("bwd_block_q", "bwd_block_kv")):
+        return "explicit backward tiles in kernel_options"
+    if any(grad_consts):
+        return "gradients of the score_mod's captured arrays"
+    if q.shape[-1] % 16:
+        return "the head dim is not a multiple of 16"
+    why = _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed)
+    if why is None and spec.score is not None:
+        try:
+            _vjp_address(spec.score, score_consts)
+        except NotImplementedError as e:
+            return str(e)
+        except RuntimeError as e:
+            _warn_once(f"flexjax: a score_mod VJP's C++ did not compile, the xla backend runs its XLA loops: {e}")
+            return str(e)
+    return why
+
+
+def _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None:
     if jax.default_backend() != "cpu":
         return "not on CPU"
     if dropout_seed is not None and spec.dropout_rate:
@@ -196,6 +228,28 @@ def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None
     return None
 
 
+def _vjp_address(mod, consts) -> int:
+    avals = tuple(jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts)
+    gen = _codegen.generate_vjp(mod, avals)
+    with _LOCK:
+        lib = _load(_build(gen.source, "mod"))
+    return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
+
+
+# The primitive's leading operands per direction; the 8 tile lists and the captured arrays follow.
+_LEAD = {"fwd": 3, "bwd": 9}
+
+
+def _bind(direction, spec, lead, score_consts, mask_consts, lists, loops):
+    lists = tuple(jnp.asarray(x, jnp.int32) for x in lists)
+    if len(lists) != 8:
+        raise ValueError(f"expected the BlockMask's 8 tile lists, got {len(lists)}")
+    n_score = len(score_consts) if spec.score is not None else 0
+    n_mask = len(mask_consts) if spec.mask is not None else 0
+    args = (*lead, *lists, *score_consts[:n_score], *mask_consts[:n_mask])
+    return _attention_p.bind(*args, direction=direction, spec=spec, n_score=n_score, n_mask=n_mask, loops=loops)
+
+
 def forward(spec, q, k, v, score_consts, mask_consts, lists, loops):
     """out (B, Sq, Hq, Dv) in q's dtype, lse and each row's (max, log-sum), (B, Hq, Sq) float32.
 
@@ -204,53 +258,75 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists, loops):
     function addresses) or for another platform it is ``loops(spec, q, k, v, score_consts,
     mask_consts, lists)``, the xla backend's own forward, which gives the same result.
     """
-    lists = tuple(jnp.asarray(x, jnp.int32) for x in lists)
-    if len(lists) != 8:
-        raise ValueError(f"expected the BlockMask's 8 tile lists, got {len(lists)}")
-    n_score = len(score_consts) if spec.score is not None else 0
-    n_mask = len(mask_consts) if spec.mask is not None else 0
-    args = (q, k, v, *lists, *score_consts[:n_score], *mask_consts[:n_mask])
-    out, lse, row_max, log_sum = _attention_p.bind(*args, spec=spec, n_score=n_score, n_mask=n_mask, loops=loops)
+    out, lse, row_max, log_sum = _bind("fwd", spec, (q, k, v), score_consts, mask_consts, lists, loops)
     return out, lse, (row_max, log_sum)
 
 
-def _split(args, n_score):
-    q, k, v, *rest = args
-    return q, k, v, tuple(rest[:8]), tuple(rest[8:8 + n_score]), tuple(rest[8 + n_score:])
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals, loops):
+    """dq, dk, dv (the inputs' dtypes) through the same primitive; ``loops`` is the xla backend's backward."""
+    row_max, log_sum = residuals
+    lead = (q, k, v, out, lse, dout, dlse, row_max, log_sum)
+    return tuple(_bind("bwd", spec, lead, score_consts, mask_consts, lists, loops))
 
 
-def _kernel_impl(*args, spec, n_score, n_mask, loops):
+def _split(args, direction, n_score):
+    n = _LEAD[direction]
+    lead, rest = args[:n], args[n:]
+    return tuple(lead), tuple(rest[:8]), tuple(rest[8:8 + n_score]), tuple(rest[8 + n_score:])
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
     from .._common import row_stats
 
-    q, k, v, lists, score_consts, mask_consts = _split(args, n_score)
-    B, Sq, Hq, _ = q.shape
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    outs = (jax.ShapeDtypeStruct((B, Sq, Hq, v.shape[-1]), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
-    call = jax.ffi.ffi_call(_TARGET, outs, vmap_method="sequential")
-    out, m, l = call(f32(q), f32(k), f32(v), *lists[:4], *score_consts, *mask_consts,
-                     scale=np.float32(spec.scale), block_q=np.int64(spec.block_size[0]),
-                     block_kv=np.int64(spec.block_size[1]), kv_len=np.int64(spec.kv_len),
-                     score_fn=np.int64(_mod_address(spec.score, score_consts)),
-                     mask_fn=np.int64(_mod_address(spec.mask, mask_consts)), n_score_consts=np.int64(n_score))
-    lse, row_max, log_sum = row_stats(m, l)
-    return out.astype(q.dtype), lse, row_max, log_sum
+    lead, lists, score_consts, mask_consts = _split(args, direction, n_score)
+    q, k, v = lead[:3]
+    B, Sq, Hq, D = q.shape
+    attrs = dict(scale=np.float32(spec.scale), block_q=np.int64(spec.block_size[0]),
+                 block_kv=np.int64(spec.block_size[1]), kv_len=np.int64(spec.kv_len),
+                 score_fn=np.int64(_mod_address(spec.score, score_consts)),
+                 mask_fn=np.int64(_mod_address(spec.mask, mask_consts)), n_score_consts=np.int64(n_score))
+    if direction == "fwd":
+        outs = (jax.ShapeDtypeStruct((B, Sq, Hq, v.shape[-1]), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
+        call = jax.ffi.ffi_call(_TARGET, outs)
+        out, m, l = call(_f32(q), _f32(k), _f32(v), *lists[:4], *score_consts, *mask_consts, **attrs)
+        lse, row_max, log_sum = row_stats(m, l)
+        return out.astype(q.dtype), lse, row_max, log_sum
+    out, _, dout, dlse, row_max, log_sum = lead[3:]
+    # delta = rowsum(dO * O) - dlse (a cotangent on lse adds P * dlse to dS), as the XLA loops.
+    delta = jnp.einsum("bqhd,bqhd->bhq", _f32(dout), _f32(out)) - _f32(dlse)
+    outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+            jax.ShapeDtypeStruct(v.shape, jnp.float32))
+    vjp = _vjp_address(spec.score, score_consts) if spec.score is not None else 0
+    call = jax.ffi.ffi_call(_BWD_TARGET, outs)
+    dq, dk, dv = call(_f32(q), _f32(k), _f32(v), _f32(dout), _f32(row_max), _f32(log_sum), delta, *lists[4:],
+                      *score_consts, *mask_consts, vjp_fn=np.int64(vjp), **attrs)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _loops_impl(*args, spec, n_score, n_mask, loops):
-    q, k, v, lists, score_consts, mask_consts = _split(args, n_score)
-    out, lse, (row_max, log_sum) = loops(spec, q, k, v, score_consts, mask_consts, lists)
-    return out, lse, row_max, log_sum
+def _loops_impl(*args, direction, spec, n_score, n_mask, loops):
+    lead, lists, score_consts, mask_consts = _split(args, direction, n_score)
+    if direction == "fwd":
+        out, lse, (row_max, log_sum) = loops(spec, *lead, score_consts, mask_consts, lists)
+        return out, lse, row_max, log_sum
+    q, k, v, out, lse, dout, dlse, row_max, log_sum = lead
+    dq, dk, dv, _ = loops(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists,
+                          (False,) * len(score_consts), (row_max, log_sum))
+    return dq, dk, dv
 
 
-def _abstract_eval(*avals, spec, n_score, n_mask, loops):
-    q, _, v = avals[:3]
+def _abstract_eval(*avals, direction, spec, n_score, n_mask, loops):
+    q, k, v = avals[:3]
+    if direction == "bwd":
+        return [jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v)]
     B, Sq, Hq, _ = q.shape
     stat = jax.core.ShapedArray((B, Hq, Sq), jnp.float32)
     return [jax.core.ShapedArray((B, Sq, Hq, v.shape[-1]), q.dtype), stat, stat, stat]
-
-
 def _lowering(ctx, *args, **params):
     lp = ctx.module_context.lowering_parameters
     on_cpu = tuple(ctx.module_context.platforms) == ("cpu",)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -469,7 +470,51 @@ def generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
     return got
 
 
-def _generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
+@dataclasses.dataclass(frozen=True)
+class _VjpMod:
+    """The score_mod's VJP in the score (``kind`` "vjp"), as a jaxpr the generator reads like a mod's."""
+
+    kind: str
+    name: str
+    jaxpr: object
+    num_consts: int
+    key: str
+
+
+def generate_vjp(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
+    """C++ for ``d score = vjp(score_mod)(dout)`` on a transposed tile; cached like ``generate``.
+
+    The function takes the unmodified scores ``s`` and the cotangent tile ``ds`` (rewritten
+    in place). Gradients of the captured arrays are not produced (the caller checks none
+    is wanted).
+    """
+    key = ("vjp", mod, tuple((a.shape, _dtype_name(a)) for a in const_avals))
+    if key not in _CACHE:
+        try:
+            n = mod.num_consts
+
+            def f(*args):
+                consts, (score, b, h, q, kv, ct) = args[:n], args[n:]
+                _, pull = jax.vjp(lambda s_: mod(consts, s_, b, h, q, kv), score)
+                return pull(ct)[0]
+
+            scal = jax.ShapeDtypeStruct
+            closed = jax.make_jaxpr(f)(*const_avals, scal((), jnp.float32), *(scal((), jnp.int32),) * 4,
+                                       scal((), jnp.float32))
+            jaxpr, consts = _open(closed)
+            if consts or jaxpr.constvars:
+                raise NotImplementedError(f"the cpu kernel cannot take constants inside the VJP of mod {mod.name!r}")
+            vmod = _VjpMod("vjp", mod.name, jaxpr, n, f"vjp:{mod.key}")
+            _CACHE[key] = _generate(vmod, const_avals)
+        except NotImplementedError as e:
+            _CACHE[key] = e
+    got = _CACHE[key]
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+def _generate(mod, const_avals: tuple) -> GeneratedMod:
     jaxpr = mod.jaxpr
     fl = _Flattener(mod.name, "xla")
     ins = [fl.new(v.aval) for v in jaxpr.invars]
@@ -487,10 +532,11 @@ def _generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
         arrays[c] = (f"a{k}", dtype)
         if int(np.prod(aval.shape)) == 1:
             env[c] = em.assign(f"a{k}[0] != 0" if dtype == "bool" else f"a{k}[0]", False, dtype)
-    names = ("score", "b", "h", "q_idx", "kv_idx") if mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
+    names = {"score": ("score", "b", "h", "q_idx", "kv_idx"), "mask": ("b", "h", "q_idx", "kv_idx"),
+             "vjp": ("score", "b", "h", "q_idx", "kv_idx", "dout")}[mod.kind]
     for a, n in zip(args, names):
         dtype = _dtype_name(fl.avals[a])
-        want = "float32" if n == "score" else "int32"
+        want = "float32" if n in ("score", "dout") else "int32"
         if dtype != want:
             raise em.unsupported(f"argument {n} of dtype {dtype}")
     arg = dict(zip(names, args))
@@ -498,14 +544,19 @@ def _generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
     env[arg["h"]] = _Val("h", False, "int32")
     env[arg["kv_idx"]] = _Val("kv_idx", False, "int32")
     env[arg["q_idx"]] = _Val("q_idx", True, "int32")
-    if mod.kind == "score":
+    if mod.kind in ("score", "vjp"):
         env[arg["score"]] = _Val("score", True, "float32")
+    if mod.kind == "vjp":
+        env[arg["dout"]] = _Val("dout", True, "float32")
     _emit_nodes(em, fl.nodes, env, arrays)
     res = _value(em, out, env)
     if isinstance(res, list):
         raise em.unsupported("a mod whose result is not one value per position")
     symbol = "fj_" + hashlib.sha256(f"{mod.key}|{const_avals}".encode()).hexdigest()[:20]
-    if mod.kind == "score":
+    if mod.kind == "mask":
+        ok = em.vec(res) if res.dtype == "bool" else f"({em.vec(res)} != 0)"
+        store = f"fj_st(p, {ok} ? fj_ld(p) : fj_f(-INFINITY));"
+    else:
         if res.dtype == "float32":
             result = em.vec(res)
         elif res.dtype == "bool":
@@ -513,11 +564,14 @@ def _generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
         else:
             result = f"__builtin_convertvector({em.vec(res)}, v16)"
         store = f"fj_st(p, {result});"
-    else:
-        ok = em.vec(res) if res.dtype == "bool" else f"({em.vec(res)} != 0)"
-        store = f"fj_st(p, {ok} ? fj_ld(p) : fj_f(-INFINITY));"
+    # score / mask: rewrite the tile s in place. vjp: ds = vjp(s, ds) (s the unmodified scores).
+    head = ("const float* s, float* ds" if mod.kind == "vjp" else "float* s")
+    tile = "ds" if mod.kind == "vjp" else "s"
+    load = {"score": "      const v16 score = fj_ld(p); (void)score;",
+            "vjp": "      const v16 score = fj_ld(s + (int64_t)c * ld + r); (void)score; const v16 dout = fj_ld(p);",
+            "mask": ""}[mod.kind]
     body = [
-        f'extern "C" void {symbol}(float* s, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0, '
+        f'extern "C" void {symbol}({head}, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0, '
         "const void* const* arrays) {",
         *("  " + d for d in decls),
         "  (void)b; (void)h; (void)arrays;",
@@ -526,9 +580,9 @@ def _generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
         "    const int32_t kv_idx = kv0 + c; (void)kv_idx;",
         *("    " + line for line in em.outer),
         "    for (int r = 0; r < nr; r += 16) {",
-        "      float* p = s + (int64_t)c * ld + r;",
+        f"      float* p = {tile} + (int64_t)c * ld + r;",
         "      const vi16 q_idx = (q0 + r) + iota; (void)q_idx;",
-        "      const v16 score = fj_ld(p); (void)score;" if mod.kind == "score" else "",
+        load,
         *("      " + line for line in em.inner),
         f"      {store}",
         "    }",

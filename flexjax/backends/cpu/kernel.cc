@@ -126,13 +126,86 @@ static void pv_rows(const float* P, int ldP, const float* V, int64_t vs, int c_l
 }
 
 // O rows [r_lo, r_hi) = alpha O + P^T V over kv rows [c_lo, c_hi) (alpha: the rows' softmax rescale).
-static void pv_range(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O, int Dv,
-                     int r_lo, int r_hi, const float* alpha) {
+// (O's rows are ldo floats apart; Dv of them are updated.)
+static void pv_range(const float* P, int ldP, const float* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
+                     int Dv, int r_lo, int r_hi, const float* alpha) {
   int v0 = 0;
-  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
-  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
-  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
-  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, c_lo, c_hi, O, Dv, r_lo, r_hi, v0, alpha);
+  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<4>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha);
+  if (Dv - v0 == 48) pv_rows<3>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha);
+  else if (Dv - v0 == 32) pv_rows<2>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha);
+  else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha);
+}
+
+// C[c][v0 + 16 j] += sum_r A[c][r] X[r][v0 + 16 j] for c in [c0, c0 + MR), r in [0, nr): the
+// backward's dV += P^T dO and dK += dS^T Q, with A a transposed tile and X's rows xs apart.
+template <int MR, int NV>
+static inline void tn_block(const float* A, int ldA, const float* X, int64_t xs, int nr, float* C, int ldc, int c0,
+                            int v0) {
+  v16 acc[MR][NV];
+  const float* arow[MR];
+  for (int i = 0; i < MR; ++i) {
+    arow[i] = A + (int64_t)(c0 + i) * ldA;
+    for (int j = 0; j < NV; ++j) acc[i][j] = fj_ld(C + (int64_t)(c0 + i) * ldc + v0 + 16 * j);
+  }
+  for (int r = 0; r < nr; ++r) {
+    v16 xv[NV];
+    for (int j = 0; j < NV; ++j) xv[j] = fj_ld(X + (int64_t)r * xs + v0 + 16 * j);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      v16 a = fj_f(arow[i][r]);
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * xv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) fj_st(C + (int64_t)(c0 + i) * ldc + v0 + 16 * j, acc[i][j]);
+}
+
+template <int NV>
+static void tn_rows(const float* A, int ldA, const float* X, int64_t xs, int nr, float* C, int ldc, int nc, int v0) {
+  constexpr int MR = 24 / NV;
+  int c = 0;
+  for (; c + MR <= nc; c += MR) tn_block<MR, NV>(A, ldA, X, xs, nr, C, ldc, c, v0);
+  for (; c + 4 <= nc; c += 4) tn_block<4, NV>(A, ldA, X, xs, nr, C, ldc, c, v0);
+  for (; c < nc; ++c) tn_block<1, NV>(A, ldA, X, xs, nr, C, ldc, c, v0);
+}
+
+static void tn_tile(const float* A, int ldA, const float* X, int64_t xs, int nr, float* C, int Dc, int nc) {
+  int v0 = 0;
+  for (; v0 + 64 <= Dc; v0 += 64) tn_rows<4>(A, ldA, X, xs, nr, C, Dc, nc, v0);
+  if (Dc - v0 == 48) tn_rows<3>(A, ldA, X, xs, nr, C, Dc, nc, v0);
+  else if (Dc - v0 == 32) tn_rows<2>(A, ldA, X, xs, nr, C, Dc, nc, v0);
+  else if (Dc - v0 == 16) tn_rows<1>(A, ldA, X, xs, nr, C, Dc, nc, v0);
+}
+
+// The transposed product St[c][r] = sum_d K[c][d] Qt[d][r] over every kv row and query lane.
+static void qk_full(const float* K, int64_t ks, const float* Qt, int D, float* St, int nc, int nrp) {
+  for (int r0 = 0; r0 < nrp;) {
+    const int width = r0 + 64 <= nrp ? 64 : (r0 + 32 <= nrp ? 32 : 16);
+    if (width == 64) qk_cols<4>(K, ks, Qt, nrp, D, St, nrp, 0, nc, r0);
+    else if (width == 32) qk_cols<2>(K, ks, Qt, nrp, D, St, nrp, 0, nc, r0);
+    else qk_cols<1>(K, ks, Qt, nrp, D, St, nrp, 0, nc, r0);
+    r0 += width;
+  }
+}
+
+// Runs item(i, scratch) for i in [0, items) on the calling thread and XLA's intra-op pool.
+template <class Scratch_, class Item>
+static void run_parallel(ffi::ThreadPool& pool, int64_t items, int64_t max_threads, Item item) {
+  int64_t threads = std::min<int64_t>(std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items), max_threads);
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  auto worker = [&next, items, &item](int64_t t) {
+    Scratch_ w;
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) item(i, t, w);
+  };
+  for (int64_t t = 1; t < threads; ++t) {
+    pool.Schedule([&worker, &done, t]() {
+      worker(t);
+      done.fetch_add(1, std::memory_order_release);
+    });
+  }
+  worker(0);
+  while (done.load(std::memory_order_acquire) < threads - 1) std::this_thread::yield();
 }
 
 struct Problem {
@@ -271,7 +344,7 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
       // A group with no allowed column keeps its max, so its rows' alpha is 1.
       for (int g = 0; g < ng; ++g) {
         if (lo[g] < hi[g])
-          pv_range(S, nrp, V, vs, lo[g], hi[g], O, Dv, 16 * g, std::min(16 * g + 16, nr), w.alpha.data());
+          pv_range(S, nrp, V, vs, lo[g], hi[g], O, Dv, Dv, 16 * g, std::min(16 * g + 16, nr), w.alpha.data());
       }
     }
   }
@@ -286,23 +359,8 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
 }
 
 static void run_all(const Problem& P, ffi::ThreadPool& pool) {
-  const int64_t nqb = (P.Sq + P.bq - 1) / P.bq;
-  const int64_t items = P.B * P.Hq * nqb;
-  int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items);
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  auto worker = [&P, &next, items]() {
-    Scratch w;
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) run_item(P, i, w);
-  };
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([&worker, &done]() {
-      worker();
-      done.fetch_add(1, std::memory_order_release);
-    });
-  }
-  worker();
-  while (done.load(std::memory_order_acquire) < threads - 1) std::this_thread::yield();
+  const int64_t items = P.B * P.Hq * ((P.Sq + P.bq - 1) / P.bq);
+  run_parallel<Scratch>(pool, items, items, [&P](int64_t i, int64_t, Scratch& w) { run_item(P, i, w); });
 }
 
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -376,4 +434,237 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Attr<int64_t>("kv_len")
                                   .Attr<int64_t>("score_fn")
                                   .Attr<int64_t>("mask_fn")
+                                  .Attr<int64_t>("n_score_consts"));
+
+// ---------------------------------------------------------------------------------------
+// Backward: dQ, dK, dV of the same tiles (the xla backend's backward, fused). One item is a
+// kv block of one (batch, kv head): it walks the q tiles of its transposed lists for every
+// query head of the GQA group, recomputing P from the forward's row max and log-sum,
+// accumulates dK and dV in place, and adds dQ into its thread's own dQ buffer (summed at
+// the end), so no two threads write the same memory.
+
+using VjpFn = void (*)(const float* s, float* ds, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0,
+                       const void* const* arrays);
+
+struct BwdProblem {
+  const float *q, *k, *v, *dout, *row_max, *log_sum, *delta;
+  const int32_t *q_num, *q_idx, *fq_num, *fq_idx;
+  int64_t wp, wf, Bm, Hm, nKV;
+  int64_t B, Sq, Hq, Skv, Hkv, D, Dv;
+  int64_t bq, bkv, kv_len;
+  float scale;
+  ModFn score_fn, mask_fn;
+  VjpFn vjp_fn;
+  const void* const* score_arrays;
+  const void* const* mask_arrays;
+  float *dk, *dv;
+  std::vector<float*> dq;  // one (B, Sq, Hq, D) buffer per thread
+};
+
+struct BwdScratch {
+  std::vector<float> qt, dot, s, s_raw, mask, dp, dk, dv, ones, mx, ls, de;
+};
+
+static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScratch& w) {
+  const int64_t nkb = (P.kv_len + P.bkv - 1) / P.bkv;
+  const int64_t j = item % nkb, hkv = (item / nkb) % P.Hkv, b = item / (nkb * P.Hkv);
+  const int64_t G = P.Hq / P.Hkv;
+  const int kv0 = (int)(j * P.bkv);
+  const int nc = (int)std::min<int64_t>(P.bkv, P.kv_len - kv0);
+  const int D = (int)P.D, Dv = (int)P.Dv;
+  const int bq = (int)P.bq, bqp = (bq + 15) / 16 * 16;
+  w.qt.resize((size_t)D * bqp);
+  w.dot.resize((size_t)Dv * bqp);
+  w.s.resize((size_t)nc * bqp);
+  w.s_raw.resize((size_t)nc * bqp);
+  w.mask.resize((size_t)nc * bqp);
+  w.dp.resize((size_t)nc * bqp);
+  w.dk.assign((size_t)nc * D, 0.0f);
+  w.dv.assign((size_t)nc * Dv, 0.0f);
+  w.ones.assign(bqp, 1.0f);
+  w.mx.resize(bqp);
+  w.ls.resize(bqp);
+  w.de.resize(bqp);
+  float* mxp = w.mx.data();
+  float* lsp = w.ls.data();
+  float* dep = w.de.data();
+  const int64_t ks = P.Hkv * P.D, vs = P.Hkv * P.Dv, qs = P.Hq * P.D, dos = P.Hq * P.Dv;
+  const float* K = P.k + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.D;
+  const float* V = P.v + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.Dv;
+  float* S = w.s.data();
+  float* dP = w.dp.data();
+  float* M = w.mask.data();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t hq = hkv * G + g;
+    const int64_t lb = P.Bm == 1 ? 0 : b, lh = P.Hm == 1 ? 0 : hq;
+    const int64_t row = (lb * P.Hm + lh) * P.nKV + j;
+    for (int pass = 0; pass < 2; ++pass) {
+      const bool partial = pass == 0;
+      const int n = partial ? P.q_num[row] : P.fq_num[row];
+      const int32_t* idx = partial ? P.q_idx + row * P.wp : P.fq_idx + row * P.wf;
+      for (int t = 0; t < n; ++t) {
+        const int q0 = (int)(idx[t] * P.bq);
+        const int nr = (int)std::min<int64_t>(P.bq, P.Sq - q0);
+        if (nr <= 0 || nc <= 0) continue;
+        const int nrp = (nr + 15) / 16 * 16;
+        const float* Q = P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D;
+        const float* dO = P.dout + ((b * P.Sq + q0) * P.Hq + hq) * P.Dv;
+        float* Qt = w.qt.data();
+        float* dOt = w.dot.data();
+        std::fill(Qt, Qt + (int64_t)D * nrp, 0.0f);
+        std::fill(dOt, dOt + (int64_t)Dv * nrp, 0.0f);
+        for (int r = 0; r < nr; ++r) {
+          for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = Q[r * qs + d] * P.scale;
+          for (int d = 0; d < Dv; ++d) dOt[(int64_t)d * nrp + r] = dO[r * dos + d];
+        }
+        qk_full(K, ks, Qt, D, S, nc, nrp);
+        if (P.score_fn) {
+          std::memcpy(w.s_raw.data(), S, sizeof(float) * (size_t)nc * nrp);
+          P.score_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
+        }
+        const bool masked = partial && P.mask_fn;
+        if (masked) {
+          std::fill(M, M + (int64_t)nc * nrp, 0.0f);
+          P.mask_fn(M, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
+        }
+        // P = exp((s - max) - log_sum), 0 where masked and on padded query lanes.
+        const int64_t stat = (b * P.Hq + hq) * P.Sq + q0;
+        for (int r = 0; r < nrp; ++r) {
+          const bool in = r < nr;
+          mxp[r] = in ? P.row_max[stat + r] : 0.0f;
+          lsp[r] = in ? P.log_sum[stat + r] : 0.0f;
+          dep[r] = in ? P.delta[stat + r] : 0.0f;
+        }
+        vi16 lane;
+        for (int l = 0; l < 16; ++l) lane[l] = l;
+        for (int c = 0; c < nc; ++c) {
+          float* pr = S + (int64_t)c * nrp;
+          for (int r = 0; r < nrp; r += 16) {
+            v16 p = fj_vexp((fj_ld(pr + r) - fj_ld(mxp + r)) - fj_ld(lsp + r));
+            vi16 keep = (lane + r) < nr;
+            if (masked) keep &= fj_ld(M + (int64_t)c * nrp + r) == 0.0f;
+            fj_st(pr + r, keep ? p : fj_f(0.0f));
+          }
+        }
+        tn_tile(S, nrp, dO, dos, nr, w.dv.data(), Dv, nc);             // dV += P^T dO
+        qk_full(V, vs, dOt, Dv, dP, nc, nrp);                            // dP^T = V dO^T
+        for (int c = 0; c < nc; ++c) {
+          float* pr = S + (int64_t)c * nrp;
+          float* dpr = dP + (int64_t)c * nrp;
+          for (int r = 0; r < nrp; r += 16) fj_st(dpr + r, fj_ld(pr + r) * (fj_ld(dpr + r) - fj_ld(dep + r)));
+        }
+        if (P.vjp_fn) P.vjp_fn(w.s_raw.data(), dP, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
+        tn_tile(dP, nrp, Q, qs, nr, w.dk.data(), D, nc);                 // dK += dS^T Q (scaled below)
+        pv_range(dP, nrp, K, ks, 0, nc, P.dq[thread] + ((b * P.Sq + q0) * P.Hq + hq) * P.D, (int)qs, D, 0, nr,
+                 w.ones.data());                                          // dQ += dS K (scaled below)
+      }
+    }
+  }
+  for (int c = 0; c < nc; ++c) {
+    float* dkr = P.dk + ((b * P.Skv + kv0 + c) * P.Hkv + hkv) * P.D;
+    float* dvr = P.dv + ((b * P.Skv + kv0 + c) * P.Hkv + hkv) * P.Dv;
+    for (int d = 0; d < D; ++d) dkr[d] = w.dk[(size_t)c * D + d] * P.scale;
+    for (int d = 0; d < Dv; ++d) dvr[d] = w.dv[(size_t)c * Dv + d];
+  }
+}
+
+static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> row_max,
+                           ffi::Buffer<ffi::F32> log_sum, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_num,
+                           ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> fq_num, ffi::Buffer<ffi::S32> fq_idx,
+                           ffi::RemainingArgs consts, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                           ffi::ResultBuffer<ffi::F32> dv, float scale, int64_t block_q, int64_t block_kv,
+                           int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t vjp_fn,
+                           int64_t n_score_consts) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = q_idx.dimensions(),
+       fi = fq_idx.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
+    return ffi::Error::InvalidArgument("flexjax cpu kernel: bad ranks");
+  BwdProblem P;
+  P.q = q.typed_data();
+  P.k = k.typed_data();
+  P.v = v.typed_data();
+  P.dout = dout.typed_data();
+  P.row_max = row_max.typed_data();
+  P.log_sum = log_sum.typed_data();
+  P.delta = delta.typed_data();
+  P.q_num = q_num.typed_data();
+  P.q_idx = q_idx.typed_data();
+  P.fq_num = fq_num.typed_data();
+  P.fq_idx = fq_idx.typed_data();
+  P.Bm = li[0];
+  P.Hm = li[1];
+  P.nKV = li[2];
+  P.wp = li[3];
+  P.wf = fi[3];
+  P.B = qd[0];
+  P.Sq = qd[1];
+  P.Hq = qd[2];
+  P.D = qd[3];
+  P.Skv = kd[1];
+  P.Hkv = kd[2];
+  P.Dv = vd[3];
+  P.bq = block_q;
+  P.bkv = block_kv;
+  P.kv_len = kv_len;
+  P.scale = scale;
+  P.score_fn = reinterpret_cast<ModFn>(score_fn);
+  P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
+  P.vjp_fn = reinterpret_cast<VjpFn>(vjp_fn);
+  std::vector<const void*> arrays(consts.size());
+  for (size_t i = 0; i < consts.size(); ++i) {
+    auto a = consts.get<ffi::AnyBuffer>(i);
+    if (!a.has_value()) return ffi::Error::InvalidArgument("flexjax cpu kernel: bad captured array");
+    arrays[i] = a->untyped_data();
+  }
+  P.score_arrays = arrays.data();
+  P.mask_arrays = arrays.data() + n_score_consts;
+  P.dk = dk->typed_data();
+  P.dv = dv->typed_data();
+  const size_t nq = (size_t)P.B * P.Sq * P.Hq * P.D;
+  std::memset(P.dk, 0, sizeof(float) * (size_t)P.B * P.Skv * P.Hkv * P.D);
+  std::memset(P.dv, 0, sizeof(float) * (size_t)P.B * P.Skv * P.Hkv * P.Dv);
+  const int64_t items = P.B * P.Hkv * ((P.kv_len + P.bkv - 1) / P.bkv);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items));
+  // Thread 0 accumulates into the output; the others into buffers of their own.
+  std::vector<std::vector<float>> extra(threads - 1, std::vector<float>(nq, 0.0f));
+  std::memset(dq->typed_data(), 0, sizeof(float) * nq);
+  P.dq.push_back(dq->typed_data());
+  for (auto& e : extra) P.dq.push_back(e.data());
+  if (items > 0) {
+    run_parallel<BwdScratch>(pool, items, threads,
+                             [&P](int64_t i, int64_t t, BwdScratch& w) { bwd_item(P, i, t, w); });
+  }
+  float* out = dq->typed_data();
+  for (auto& e : extra)
+    for (size_t i = 0; i < nq; ++i) out[i] += e[i];
+  for (size_t i = 0; i < nq; ++i) out[i] *= scale;
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_kv")
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<int64_t>("score_fn")
+                                  .Attr<int64_t>("mask_fn")
+                                  .Attr<int64_t>("vjp_fn")
                                   .Attr<int64_t>("n_score_consts"));
