@@ -152,3 +152,14 @@ def check_tiles_and_launch(opts: dict, block_size) -> None:
                 raise ValueError(
                     f"kernel_options[{f!r}]={val} must divide the BlockMask's block ({base}) or be a "
                     f"multiple of it")
+
+
+def dropout_args(spec, dropout_seed) -> dict:
+    """The kernel templates' dropout keywords (pallas, triton): none at rate 0, so the
+    kernels are then the plain ones; else ``rate`` and the (2,) uint32 ``seed``."""
+    rate = spec.dropout_rate
+    if not rate:
+        return {}
+    if dropout_seed is None:
+        raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
+    return {"rate": rate, "seed": jnp.asarray(dropout_seed, jnp.uint32).reshape(2)}

@@ -12,6 +12,9 @@
 // q block), never the keys.
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -188,24 +191,48 @@ static void qk_full(const float* K, int64_t ks, const float* Qt, int D, float* S
   }
 }
 
-// Runs item(i, scratch) for i in [0, items) on the calling thread and XLA's intra-op pool.
+// Runs item(i, thread, scratch) for i in [0, items) on the calling thread and XLA's intra-op
+// pool. The caller never waits for a task that has not started: the pool may be busy (other
+// devices' calls, in a sharded program, run on the same threads and may be waiting too), so
+// the caller works through the items itself, then closes the run and waits only for the
+// tasks already inside it. A task that starts later finds the run closed and returns
+// without touching the caller's (by then gone) stack.
+struct RunState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool closed = false;
+  int active = 0;
+  std::atomic<int64_t> next{0};
+};
+
 template <class Scratch_, class Item>
 static void run_parallel(ffi::ThreadPool& pool, int64_t items, int64_t max_threads, Item item) {
-  int64_t threads = std::min<int64_t>(std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items), max_threads);
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  auto worker = [&next, items, &item](int64_t t) {
+  const int64_t threads =
+      std::min<int64_t>(std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items), max_threads);
+  auto state = std::make_shared<RunState>();
+  auto work = [state, items, &item](int64_t t) {
     Scratch_ w;
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) item(i, t, w);
+    for (int64_t i = state->next.fetch_add(1); i < items; i = state->next.fetch_add(1)) item(i, t, w);
   };
+  using Work = decltype(work);
+  Work* shared_work = &work;
   for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([&worker, &done, t]() {
-      worker(t);
-      done.fetch_add(1, std::memory_order_release);
+    pool.Schedule([state, shared_work, t]() {
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (state->closed) return;
+        ++state->active;
+      }
+      (*shared_work)(t);
+      std::lock_guard<std::mutex> lock(state->mu);
+      --state->active;
+      state->cv.notify_all();
     });
   }
-  worker(0);
-  while (done.load(std::memory_order_acquire) < threads - 1) std::this_thread::yield();
+  work(0);
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->closed = true;
+  state->cv.wait(lock, [&state] { return state->active == 0; });
 }
 
 struct Problem {

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, lse_of
+from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args, lse_of
 from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
 from . import _gpu, _tpu
 from ._layout import geometry, pad_axis, prologues, score_const_grads
@@ -223,16 +223,6 @@ def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
 
-def _dropout_args(spec, dropout_seed) -> dict:
-    """The templates' dropout keywords: none at rate 0 (the kernels are then the plain ones)."""
-    rate = spec.dropout_rate
-    if not rate:
-        return {}
-    if dropout_seed is None:
-        raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
-    return {"rate": rate, "seed": jnp.asarray(dropout_seed, jnp.uint32).reshape(2)}
-
-
 def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
     out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
     return out, lse
@@ -254,7 +244,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     out, row_max, row_sum = _template(o).forward(g, mods, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
                                                  target=o.target, interpret=o.interpret,
                                                  warps=o.num_warps, stages=o.num_stages,
-                                                 **_dropout_args(spec, dropout_seed))
+                                                 **dropout_args(spec, dropout_seed))
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq, 0], row_sum[:, :, :Sq, 0]
     return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
@@ -283,7 +273,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     dq, dk, dv, d_rows, d_cols, d_arrays = _template(o).backward(
         g, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
         target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages,
-        **_dropout_args(spec, dropout_seed))
+        **dropout_args(spec, dropout_seed))
     # The kernels produce every float array's partial gradients; pulling them back to the
     # captured arrays is skipped when none is differentiated.
     wanted = any(grad_consts)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, lse_of
+from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args, lse_of
 from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
 from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
 from ..pallas._tile import Mods
@@ -313,16 +313,6 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     return g, lists, qp, kp, vp
 
 
-def _dropout_args(spec, dropout_seed) -> dict:
-    """The kernels' dropout keywords: none at rate 0 (the plan, and so the source, is then the plain one)."""
-    rate = spec.dropout_rate
-    if not rate:
-        return {}
-    if dropout_seed is None:
-        raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
-    return {"rate": rate, "seed": dropout_seed}
-
-
 def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
     """out (B, Sq, Hq, Dv) in the query's dtype and lse (B, Hq, Sq) float32."""
     out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
@@ -340,7 +330,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
-                                             _run(spec, o, backward=False), **_dropout_args(spec, dropout_seed))
+                                             _run(spec, o, backward=False), **dropout_args(spec, dropout_seed))
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq], row_sum[:, :, :Sq]
     return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
@@ -370,7 +360,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
     dq, dk, dv, d_rows, d_cols, d_arrays = _kernels.backward(
         plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
-        _run(spec, o, backward=True), **_dropout_args(spec, dropout_seed))
+        _run(spec, o, backward=True), **dropout_args(spec, dropout_seed))
     dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if plan.grads
               else tuple(None for _ in score_consts))
     return dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore
