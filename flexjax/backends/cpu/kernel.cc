@@ -180,13 +180,14 @@ static void tn_tile(const float* A, int ldA, const float* X, int64_t xs, int nr,
   else if (Dc - v0 == 16) tn_rows<1>(A, ldA, X, xs, nr, C, Dc, nc, v0);
 }
 
-// The transposed product St[c][r] = sum_d K[c][d] Qt[d][r] over every kv row and query lane.
-static void qk_full(const float* K, int64_t ks, const float* Qt, int D, float* St, int nc, int nrp) {
+// The transposed product St[c][r] = sum_d K[c][d] Qt[d][r] over every kv row and query lane
+// (Qt's rows ldq apart, St's nrp).
+static void qk_full(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int nc, int nrp) {
   for (int r0 = 0; r0 < nrp;) {
     const int width = r0 + 64 <= nrp ? 64 : (r0 + 32 <= nrp ? 32 : 16);
-    if (width == 64) qk_cols<4>(K, ks, Qt, nrp, D, St, nrp, 0, nc, r0);
-    else if (width == 32) qk_cols<2>(K, ks, Qt, nrp, D, St, nrp, 0, nc, r0);
-    else qk_cols<1>(K, ks, Qt, nrp, D, St, nrp, 0, nc, r0);
+    if (width == 64) qk_cols<4>(K, ks, Qt, ldq, D, St, nrp, 0, nc, r0);
+    else if (width == 32) qk_cols<2>(K, ks, Qt, ldq, D, St, nrp, 0, nc, r0);
+    else qk_cols<1>(K, ks, Qt, ldq, D, St, nrp, 0, nc, r0);
     r0 += width;
   }
 }
@@ -475,6 +476,8 @@ using VjpFn = void (*)(const float* s, float* ds, int64_t ld, int nc, int nr, in
 
 struct BwdProblem {
   const float *q, *k, *v, *dout, *row_max, *log_sum, *delta;
+  const float *qT, *doT;  // (B, Hq, D, Sqp) scaled q and (B, Hq, Dv, Sqp) dO, Sqp = Sq rounded up to 16
+  int64_t Sqp;
   const int32_t *q_num, *q_idx, *fq_num, *fq_idx;
   int64_t wp, wf, Bm, Hm, nKV;
   int64_t B, Sq, Hq, Skv, Hkv, D, Dv;
@@ -489,7 +492,7 @@ struct BwdProblem {
 };
 
 struct BwdScratch {
-  std::vector<float> qt, dot, s, s_raw, mask, dp, dk, dv, ones, mx, ls, de;
+  std::vector<float> s, s_raw, mask, dp, dk, dv, ones, mx, ls, de;
 };
 
 static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScratch& w) {
@@ -500,8 +503,6 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
   const int nc = (int)std::min<int64_t>(P.bkv, P.kv_len - kv0);
   const int D = (int)P.D, Dv = (int)P.Dv;
   const int bq = (int)P.bq, bqp = (bq + 15) / 16 * 16;
-  w.qt.resize((size_t)D * bqp);
-  w.dot.resize((size_t)Dv * bqp);
   w.s.resize((size_t)nc * bqp);
   w.s_raw.resize((size_t)nc * bqp);
   w.mask.resize((size_t)nc * bqp);
@@ -536,15 +537,9 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
         const int nrp = (nr + 15) / 16 * 16;
         const float* Q = P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D;
         const float* dO = P.dout + ((b * P.Sq + q0) * P.Hq + hq) * P.Dv;
-        float* Qt = w.qt.data();
-        float* dOt = w.dot.data();
-        std::fill(Qt, Qt + (int64_t)D * nrp, 0.0f);
-        std::fill(dOt, dOt + (int64_t)Dv * nrp, 0.0f);
-        for (int r = 0; r < nr; ++r) {
-          for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = Q[r * qs + d] * P.scale;
-          for (int d = 0; d < Dv; ++d) dOt[(int64_t)d * nrp + r] = dO[r * dos + d];
-        }
-        qk_full(K, ks, Qt, D, S, nc, nrp);
+        const float* Qt = P.qT + (b * P.Hq + hq) * P.D * P.Sqp + q0;
+        const float* dOt = P.doT + (b * P.Hq + hq) * P.Dv * P.Sqp + q0;
+        qk_full(K, ks, Qt, (int)P.Sqp, D, S, nc, nrp);
         if (P.score_fn) {
           std::memcpy(w.s_raw.data(), S, sizeof(float) * (size_t)nc * nrp);
           P.score_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
@@ -574,7 +569,7 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
           }
         }
         tn_tile(S, nrp, dO, dos, nr, w.dv.data(), Dv, nc);             // dV += P^T dO
-        qk_full(V, vs, dOt, Dv, dP, nc, nrp);                            // dP^T = V dO^T
+        qk_full(V, vs, dOt, (int)P.Sqp, Dv, dP, nc, nrp);                // dP^T = V dO^T
         for (int c = 0; c < nc; ++c) {
           float* pr = S + (int64_t)c * nrp;
           float* dpr = dP + (int64_t)c * nrp;
@@ -596,7 +591,8 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
 }
 
 static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> row_max,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> qT,
+                           ffi::Buffer<ffi::F32> doT, ffi::Buffer<ffi::F32> row_max,
                            ffi::Buffer<ffi::F32> log_sum, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_num,
                            ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> fq_num, ffi::Buffer<ffi::S32> fq_idx,
                            ffi::RemainingArgs consts, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
@@ -612,6 +608,9 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   P.k = k.typed_data();
   P.v = v.typed_data();
   P.dout = dout.typed_data();
+  P.qT = qT.typed_data();
+  P.doT = doT.typed_data();
+  P.Sqp = qT.dimensions()[3];
   P.row_max = row_max.typed_data();
   P.log_sum = log_sum.typed_data();
   P.delta = delta.typed_data();
@@ -672,6 +671,8 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
