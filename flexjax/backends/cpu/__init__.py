@@ -305,8 +305,9 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
     vjp = _vjp_address(spec.score, score_consts) if spec.score is not None else 0
     call = jax.ffi.ffi_call(_BWD_TARGET, outs)
     # q (scaled) and dO with their sequence axis last, padded to 16 lanes: the kernel reads
-    # their transposed tiles in place instead of transposing one per tile.
-    pad = [(0, 0), (0, 0), (0, 0), (0, -Sq % 16)]
+    # their transposed tiles in place instead of transposing one per tile. 16 more lanes keep
+    # the row stride off powers of two (rows 2^k floats apart share L1 sets).
+    pad = [(0, 0), (0, 0), (0, 0), (0, -Sq % 16 + 16)]
     qT = jnp.pad(jnp.transpose(_f32(q) * spec.scale, (0, 2, 3, 1)), pad)
     doT = jnp.pad(jnp.transpose(_f32(dout), (0, 2, 3, 1)), pad)
     dq, dk, dv = call(_f32(q), _f32(k), _f32(v), _f32(dout), qT, doT, _f32(row_max), _f32(log_sum), delta,
