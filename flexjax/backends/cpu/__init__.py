@@ -1,4 +1,4 @@
-"""The xla backend's CPU kernel: its forward as one XLA FFI call into C++ (``kernel.cc``).
+"""The xla backend's CPU kernels: its forward and backward as XLA FFI calls into C++ (``kernel.cc``).
 
 XLA:CPU runs the xla backend's blockwise loops as many small ops, each costing tens of
 microseconds, so narrow bands of tiles are overhead-bound (BENCHMARKS.md, issue 15).
@@ -8,12 +8,15 @@ both cores splitting the (batch, head, q block) rows through XLA's own thread po
 
 - ``kernel.cc`` is compiled once per machine with the system's C++ compiler (``$CXX``
   or ``g++``) and cached under ``$FLEXJAX_CACHE_DIR`` (default ``~/.cache/flexjax``);
-- each mod becomes a tile function in C++ (``_codegen.py``), compiled into a small
-  library of its own and cached the same way; the kernel calls it through a pointer.
+- each mod (and a score_mod's VJP in the score) becomes a tile function in C++
+  (``_codegen.py``), compiled into a small library of its own and cached the same way;
+  the kernels call it through a pointer.
 
-The xla backend uses this kernel for its forward when ``usable()`` holds and the call
-fits (``reason()`` is None); otherwise it runs its own loops, which give the same
-result. The backward and forward-mode tangent stay the xla backend's.
+The xla backend uses the forward kernel when ``usable()`` holds and the call fits
+(``reason()`` is None), and the backward kernel when ``backward_reason()`` is None (it
+returns dq, dk and dv, so gradients of captured arrays go to the loops); otherwise it
+runs its own loops, which give the same result. The forward-mode tangent stays the xla
+backend's.
 ``FLEXJAX_CPU_KERNEL=0`` (or ``kernel_options={"cpu_kernel": False}``) turns it off.
 """
 

@@ -1,5 +1,5 @@
-// flexjax's CPU forward kernel: block-sparse FlashAttention-2 over a BlockMask's tile lists,
-// called from XLA through its FFI. Built on first use by flexjax/backends/cpu/_build.py.
+// flexjax's CPU kernels: block-sparse FlashAttention-2 forward and backward over a BlockMask's
+// tile lists, called from XLA through its FFI. Built on first use by flexjax/backends/cpu/__init__.py.
 //
 // The mods are not in this file: the mod compiler's C++ generator (_codegen.py) builds them
 // into a small shared library of their own, and their addresses arrive as attributes. Each
