@@ -138,9 +138,10 @@ def _cases():
             ("documents", 192, 192, 32)]
 
 
-@pytest.mark.parametrize("backend,options", [("xla", None), ("xla", {"block_q": 64, "block_kv": 64}),
-                                             ("pallas", None), ("pallas", {"target": "tpu", "interpret": True})],
-                         ids=["xla", "xla_coarse", "pallas_gpu_interpret", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("backend,options", [
+    ("xla", None), pytest.param("xla", {"block_q": 64, "block_kv": 64}, marks=pytest.mark.slow),
+    ("pallas", None), ("pallas", {"target": "tpu", "interpret": True})],
+    ids=["xla", "xla_coarse", "pallas_gpu_interpret", "pallas_tpu_interpret"])
 # Default suite: the sliding-window case on every backend; `make test-all` runs the other masks.
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == 1 else pytest.mark.slow)
                                   for c in range(len(_cases()))])
