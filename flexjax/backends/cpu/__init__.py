@@ -301,21 +301,16 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
         lse, row_max, log_sum = row_stats(m, l)
         return out.astype(q.dtype), lse, row_max, log_sum
     out, _, dout, dlse, row_max, log_sum = lead[3:]
-    # delta = rowsum(dO * O) - dlse (a cotangent on lse adds P * dlse to dS), as the XLA loops.
-    delta = jnp.einsum("bqhd,bqhd->bhq", _f32(dout), _f32(out)) - _f32(dlse)
     outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
             jax.ShapeDtypeStruct(v.shape, jnp.float32))
     vjp = _vjp_address(spec.score, score_consts) if spec.score is not None else 0
     call = jax.ffi.ffi_call(_BWD_TARGET, outs)
-    # q (scaled) and dO with their sequence axis last, padded to 16 lanes: the kernel reads
-    # their transposed tiles in place instead of transposing one per tile. 16 more lanes keep
-    # the row stride off powers of two (rows 2^k floats apart share L1 sets).
-    pad = [(0, 0), (0, 0), (0, 0), (0, -Sq % 16 + 16)]
-    qT = jnp.pad(jnp.transpose(_f32(q) * spec.scale, (0, 2, 3, 1)), pad)
-    doT = jnp.pad(jnp.transpose(_f32(dout), (0, 2, 3, 1)), pad)
-    dq, dk, dv = call(_f32(q), _f32(k), _f32(v), _f32(dout), qT, doT, _f32(row_max), _f32(log_sum), delta,
-                      *lists[4:],
-                      *score_consts, *mask_consts, vjp_fn=np.int64(vjp), **attrs)
+    # The kernel's prepass forms delta = rowsum(dO * O) - dlse and the transposed q and dO
+    # it reads (XLA's transposes and its rowsum dot cost more than the rest of a sparse
+    # backward).
+    dlse = jnp.broadcast_to(_f32(dlse), (B, Hq, Sq))
+    dq, dk, dv = call(_f32(q), _f32(k), _f32(v), _f32(out), _f32(dout), dlse, _f32(row_max), _f32(log_sum),
+                      *lists[4:], *score_consts, *mask_consts, vjp_fn=np.int64(vjp), **attrs)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

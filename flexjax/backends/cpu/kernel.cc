@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -139,18 +141,18 @@ static void pv_range(const float* P, int ldP, const float* V, int64_t vs, int c_
   else if (Dv - v0 == 16) pv_rows<1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha);
 }
 
-// C[c][v0 + 16 j] += sum_r A[c][r] X[r][v0 + 16 j] for c in [c0, c0 + MR), r in [0, nr): the
+// C[c][v0 + 16 j] += sum_r A[c][r] X[r][v0 + 16 j] for c in [c0, c0 + MR), r in [r_lo, r_hi): the
 // backward's dV += P^T dO and dK += dS^T Q, with A a transposed tile and X's rows xs apart.
 template <int MR, int NV>
-static inline void tn_block(const float* A, int ldA, const float* X, int64_t xs, int nr, float* C, int ldc, int c0,
-                            int v0) {
+static inline void tn_block(const float* A, int ldA, const float* X, int64_t xs, int r_lo, int r_hi, float* C,
+                            int ldc, int c0, int v0) {
   v16 acc[MR][NV];
   const float* arow[MR];
   for (int i = 0; i < MR; ++i) {
     arow[i] = A + (int64_t)(c0 + i) * ldA;
     for (int j = 0; j < NV; ++j) acc[i][j] = fj_ld(C + (int64_t)(c0 + i) * ldc + v0 + 16 * j);
   }
-  for (int r = 0; r < nr; ++r) {
+  for (int r = r_lo; r < r_hi; ++r) {
     v16 xv[NV];
     for (int j = 0; j < NV; ++j) xv[j] = fj_ld(X + (int64_t)r * xs + v0 + 16 * j);
 #pragma GCC unroll 16
@@ -163,31 +165,81 @@ static inline void tn_block(const float* A, int ldA, const float* X, int64_t xs,
     for (int j = 0; j < NV; ++j) fj_st(C + (int64_t)(c0 + i) * ldc + v0 + 16 * j, acc[i][j]);
 }
 
+// Row range of the columns [c0, c0 + n): the union of their [rlo, rhi).
+static inline void row_union(const int* rlo, const int* rhi, int c0, int n, int* r_lo, int* r_hi) {
+  *r_lo = rlo[c0];
+  *r_hi = rhi[c0];
+  for (int c = c0 + 1; c < c0 + n; ++c) {
+    *r_lo = std::min(*r_lo, rlo[c]);
+    *r_hi = std::max(*r_hi, rhi[c]);
+  }
+}
+
+// Columns c of C take rows [rlo[c], rhi[c]) of the product; A is zero elsewhere in the union
+// of each block's range, and the rows outside every range are never read.
 template <int NV>
-static void tn_rows(const float* A, int ldA, const float* X, int64_t xs, int nr, float* C, int ldc, int nc, int v0) {
+static void tn_rows(const float* A, int ldA, const float* X, int64_t xs, const int* rlo, const int* rhi, float* C,
+                    int ldc, int nc, int v0) {
   constexpr int MR = 24 / NV;
-  int c = 0;
-  for (; c + MR <= nc; c += MR) tn_block<MR, NV>(A, ldA, X, xs, nr, C, ldc, c, v0);
-  for (; c + 4 <= nc; c += 4) tn_block<4, NV>(A, ldA, X, xs, nr, C, ldc, c, v0);
-  for (; c < nc; ++c) tn_block<1, NV>(A, ldA, X, xs, nr, C, ldc, c, v0);
+  int c = 0, r_lo, r_hi;
+  for (; c + MR <= nc; c += MR) {
+    row_union(rlo, rhi, c, MR, &r_lo, &r_hi);
+    if (r_lo < r_hi) tn_block<MR, NV>(A, ldA, X, xs, r_lo, r_hi, C, ldc, c, v0);
+  }
+  for (; c + 4 <= nc; c += 4) {
+    row_union(rlo, rhi, c, 4, &r_lo, &r_hi);
+    if (r_lo < r_hi) tn_block<4, NV>(A, ldA, X, xs, r_lo, r_hi, C, ldc, c, v0);
+  }
+  for (; c < nc; ++c)
+    if (rlo[c] < rhi[c]) tn_block<1, NV>(A, ldA, X, xs, rlo[c], rhi[c], C, ldc, c, v0);
 }
 
-static void tn_tile(const float* A, int ldA, const float* X, int64_t xs, int nr, float* C, int Dc, int nc) {
+static void tn_tile(const float* A, int ldA, const float* X, int64_t xs, const int* rlo, const int* rhi, float* C,
+                    int Dc, int nc) {
   int v0 = 0;
-  for (; v0 + 64 <= Dc; v0 += 64) tn_rows<4>(A, ldA, X, xs, nr, C, Dc, nc, v0);
-  if (Dc - v0 == 48) tn_rows<3>(A, ldA, X, xs, nr, C, Dc, nc, v0);
-  else if (Dc - v0 == 32) tn_rows<2>(A, ldA, X, xs, nr, C, Dc, nc, v0);
-  else if (Dc - v0 == 16) tn_rows<1>(A, ldA, X, xs, nr, C, Dc, nc, v0);
+  for (; v0 + 64 <= Dc; v0 += 64) tn_rows<4>(A, ldA, X, xs, rlo, rhi, C, Dc, nc, v0);
+  if (Dc - v0 == 48) tn_rows<3>(A, ldA, X, xs, rlo, rhi, C, Dc, nc, v0);
+  else if (Dc - v0 == 32) tn_rows<2>(A, ldA, X, xs, rlo, rhi, C, Dc, nc, v0);
+  else if (Dc - v0 == 16) tn_rows<1>(A, ldA, X, xs, rlo, rhi, C, Dc, nc, v0);
 }
 
-// The transposed product St[c][r] = sum_d K[c][d] Qt[d][r] over every kv row and query lane
-// (Qt's rows ldq apart, St's nrp).
-static void qk_full(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int nc, int nrp) {
+// Each 16-row group g's kv range [lo[g], hi[g]): the columns where any of its rows is allowed
+// by the mask tile M (0 allowed, -inf not); lo > hi when none is.
+static void group_ranges(const float* M, int nrp, int nc, int* lo, int* hi) {
+  const int ng = nrp / 16;
+  for (int g = 0; g < ng; ++g) {
+    lo[g] = nc;
+    hi[g] = 0;
+  }
+  for (int c = 0; c < nc; ++c) {
+    const float* mr = M + (int64_t)c * nrp;
+    for (int g = 0; g < ng; ++g) {
+      if (allowed_any(fj_ld(mr + 16 * g))) {
+        lo[g] = std::min(lo[g], c);
+        hi[g] = c + 1;
+      }
+    }
+  }
+}
+
+// St[c][r] = sum_d K[c][d] Qt[d][r] for each chunk of up to 64 query lanes over the union of its
+// groups' column ranges (the rest of St is left as it is); then after(r0, width, c_lo, c_hi).
+template <class After>
+static void qk_groups(const float* K, int64_t ks, const float* Qt, int ldq, int D, float* St, int nrp, int nc,
+                      const int* lo, const int* hi, After after) {
   for (int r0 = 0; r0 < nrp;) {
     const int width = r0 + 64 <= nrp ? 64 : (r0 + 32 <= nrp ? 32 : 16);
-    if (width == 64) qk_cols<4>(K, ks, Qt, ldq, D, St, nrp, 0, nc, r0);
-    else if (width == 32) qk_cols<2>(K, ks, Qt, ldq, D, St, nrp, 0, nc, r0);
-    else qk_cols<1>(K, ks, Qt, ldq, D, St, nrp, 0, nc, r0);
+    int c_lo = nc, c_hi = 0;
+    for (int g = r0 / 16; g < (r0 + width) / 16; ++g) {
+      c_lo = std::min(c_lo, lo[g]);
+      c_hi = std::max(c_hi, hi[g]);
+    }
+    if (c_lo < c_hi) {
+      if (width == 64) qk_cols<4>(K, ks, Qt, ldq, D, St, nrp, c_lo, c_hi, r0);
+      else if (width == 32) qk_cols<2>(K, ks, Qt, ldq, D, St, nrp, c_lo, c_hi, r0);
+      else qk_cols<1>(K, ks, Qt, ldq, D, St, nrp, c_lo, c_hi, r0);
+      after(r0, width, c_lo, c_hi);
+    }
     r0 += width;
   }
 }
@@ -235,6 +287,72 @@ static void run_parallel(ffi::ThreadPool& pool, int64_t items, int64_t max_threa
   state->closed = true;
   state->cv.wait(lock, [&state] { return state->active == 0; });
 }
+
+// Work memory (the backward's transposed q and dO, its per-thread dQ) kept between calls.
+// Fresh multi-megabyte buffers page-fault on every first touch, which cost about a tenth of
+// a backward when each call allocated its own. Blocks are anonymous maps with transparent
+// huge pages requested; a call leases one block per buffer, and blocks up to kKeepBytes
+// go back to the pool afterwards (larger ones are unmapped).
+class WorkBlock {
+ public:
+  explicit WorkBlock(size_t bytes) : bytes_(round(bytes)) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes_, MADV_HUGEPAGE);
+#endif
+    data_ = static_cast<float*>(p);
+  }
+  ~WorkBlock() { munmap(data_, bytes_); }
+  WorkBlock(const WorkBlock&) = delete;
+  WorkBlock& operator=(const WorkBlock&) = delete;
+  size_t bytes() const { return bytes_; }
+  float* data() const { return data_; }
+
+ private:
+  static size_t round(size_t b) { return (std::max<size_t>(b, 1) + (2u << 20) - 1) / (2u << 20) * (2u << 20); }
+  size_t bytes_;
+  float* data_;
+};
+
+static constexpr size_t kKeepBytes = size_t(512) << 20;
+static std::mutex g_work_mu;
+static std::vector<std::unique_ptr<WorkBlock>> g_work_free;
+
+// A leased block of at least n floats (contents unspecified), returned to the pool on scope exit.
+class WorkLease {
+ public:
+  explicit WorkLease(size_t n) {
+    const size_t bytes = sizeof(float) * n;
+    {
+      std::lock_guard<std::mutex> lock(g_work_mu);
+      // The smallest free block that fits.
+      size_t best = g_work_free.size();
+      for (size_t i = 0; i < g_work_free.size(); ++i)
+        if (g_work_free[i]->bytes() >= bytes && (best == g_work_free.size() ||
+                                                 g_work_free[i]->bytes() < g_work_free[best]->bytes()))
+          best = i;
+      if (best < g_work_free.size()) {
+        block_ = std::move(g_work_free[best]);
+        g_work_free.erase(g_work_free.begin() + best);
+      }
+    }
+    if (!block_) block_ = std::make_unique<WorkBlock>(bytes);
+  }
+  ~WorkLease() {
+    if (block_->bytes() > kKeepBytes) return;
+    std::lock_guard<std::mutex> lock(g_work_mu);
+    g_work_free.push_back(std::move(block_));
+    // Keep at most 8 blocks: the rest of a burst of shapes is unmapped.
+    if (g_work_free.size() > 8) g_work_free.erase(g_work_free.begin());
+  }
+  WorkLease(const WorkLease&) = delete;
+  WorkLease& operator=(const WorkLease&) = delete;
+  float* data() const { return block_->data(); }
+
+ private:
+  std::unique_ptr<WorkBlock> block_;
+};
 
 struct Problem {
   const float *q, *k, *v;
@@ -304,42 +422,18 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
       if (masked) {
         std::fill(M, M + (int64_t)nc * nrp, 0.0f);
         P.mask_fn(M, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
-        for (int g = 0; g < ng; ++g) {
-          lo[g] = nc;
-          hi[g] = 0;
-        }
-        for (int c = 0; c < nc; ++c) {
-          const float* mr = M + (int64_t)c * nrp;
-          for (int g = 0; g < ng; ++g) {
-            if (allowed_any(fj_ld(mr + 16 * g))) {
-              lo[g] = std::min(lo[g], c);
-              hi[g] = c + 1;
-            }
-          }
-        }
+        group_ranges(M, nrp, nc, lo, hi);
       } else {
         for (int g = 0; g < ng; ++g) {
           lo[g] = 0;
           hi[g] = nc;
         }
       }
-      for (int r0 = 0; r0 < nrp;) {
-        const int width = r0 + 64 <= nrp ? 64 : (r0 + 32 <= nrp ? 32 : 16);
-        int c_lo = nc, c_hi = 0;
-        for (int g = r0 / 16; g < (r0 + width) / 16; ++g) {
-          c_lo = std::min(c_lo, lo[g]);
-          c_hi = std::max(c_hi, hi[g]);
-        }
-        if (c_lo < c_hi) {
-          if (width == 64) qk_cols<4>(K, ks, Qt, nrp, D, S, nrp, c_lo, c_hi, r0);
-          else if (width == 32) qk_cols<2>(K, ks, Qt, nrp, D, S, nrp, c_lo, c_hi, r0);
-          else qk_cols<1>(K, ks, Qt, nrp, D, S, nrp, c_lo, c_hi, r0);
-          if (P.score_fn)
-            P.score_fn(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, (int)hq, q0 + r0, kv0 + c_lo,
-                       P.score_arrays);
-        }
-        r0 += width;
-      }
+      qk_groups(K, ks, Qt, nrp, D, S, nrp, nc, lo, hi, [&](int r0, int width, int c_lo, int c_hi) {
+        if (P.score_fn)
+          P.score_fn(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, (int)hq, q0 + r0, kv0 + c_lo,
+                     P.score_arrays);
+      });
       for (int g = 0; g < ng; ++g) {
         const int r = 16 * g;
         v16 m_old = fj_ld(w.m.data() + r), mx = m_old;
@@ -475,8 +569,11 @@ using VjpFn = void (*)(const float* s, float* ds, int64_t ld, int nc, int nr, in
                        const void* const* arrays);
 
 struct BwdProblem {
-  const float *q, *k, *v, *dout, *row_max, *log_sum, *delta;
-  const float *qT, *doT;  // (B, Hq, D, Sqp) scaled q and (B, Hq, Dv, Sqp) dO, Sqp = Sq rounded up to 16
+  const float *q, *k, *v, *out, *dout, *dlse, *row_max, *log_sum;
+  // Work memory the prepass fills: (B, Hq, D, Sqp) scaled q and (B, Hq, Dv, Sqp) dO, their
+  // sequence axis last (Sqp = Sq rounded up to 16, plus 16 lanes that keep the row stride off
+  // powers of two), and delta (B, Hq, Sq).
+  float *qT, *doT, *delta;
   int64_t Sqp;
   const int32_t *q_num, *q_idx, *fq_num, *fq_idx;
   int64_t wp, wf, Bm, Hm, nKV;
@@ -488,11 +585,17 @@ struct BwdProblem {
   const void* const* score_arrays;
   const void* const* mask_arrays;
   float *dk, *dv;
-  std::vector<float*> dq;  // one (B, Sq, Hq, D) buffer per thread
+  // One (B, Sq, Hq, D) dQ buffer per thread (the first is the output), and for each thread
+  // which (batch, query head, q block) tiles of its buffer it has written: a tile is zeroed
+  // when its thread first adds to it, and the sum at the end reads only written tiles.
+  std::vector<float*> dq;
+  std::vector<uint8_t*> written;
+  int64_t nqb;
 };
 
 struct BwdScratch {
   std::vector<float> s, s_raw, mask, dp, dk, dv, ones, mx, ls, de;
+  std::vector<int> lo, hi, rlo, rhi;
 };
 
 static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScratch& w) {
@@ -513,6 +616,14 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
   w.mx.resize(bqp);
   w.ls.resize(bqp);
   w.de.resize(bqp);
+  w.lo.resize(bqp / 16);
+  w.hi.resize(bqp / 16);
+  w.rlo.resize(nc);
+  w.rhi.resize(nc);
+  int* lo = w.lo.data();
+  int* hi = w.hi.data();
+  int* rlo = w.rlo.data();
+  int* rhi = w.rhi.data();
   float* mxp = w.mx.data();
   float* lsp = w.ls.data();
   float* dep = w.de.data();
@@ -539,17 +650,48 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
         const float* dO = P.dout + ((b * P.Sq + q0) * P.Hq + hq) * P.Dv;
         const float* Qt = P.qT + (b * P.Hq + hq) * P.D * P.Sqp + q0;
         const float* dOt = P.doT + (b * P.Hq + hq) * P.Dv * P.Sqp + q0;
-        qk_full(K, ks, Qt, (int)P.Sqp, D, S, nc, nrp);
-        if (P.score_fn) {
-          std::memcpy(w.s_raw.data(), S, sizeof(float) * (size_t)nc * nrp);
-          P.score_fn(S, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
-        }
+        // As in the forward, a partial tile's 16-row groups each take the kv range [lo, hi) where
+        // any of their rows is allowed; the transposed products then take, for each column,
+        // the rows [rlo, rhi) of the groups whose range holds it. P and dS are zero elsewhere.
+        const int ng = nrp / 16;
         const bool masked = partial && P.mask_fn;
         if (masked) {
           std::fill(M, M + (int64_t)nc * nrp, 0.0f);
           P.mask_fn(M, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
+          group_ranges(M, nrp, nc, lo, hi);
+          for (int c = 0; c < nc; ++c) {
+            rlo[c] = nrp;
+            rhi[c] = 0;
+          }
+          bool any = false;
+          for (int gr = 0; gr < ng; ++gr) {
+            for (int c = lo[gr]; c < hi[gr]; ++c) {
+              rlo[c] = std::min(rlo[c], 16 * gr);
+              rhi[c] = std::min(16 * gr + 16, nr);
+            }
+            any |= lo[gr] < hi[gr];
+          }
+          if (!any) continue;
+          std::fill(S, S + (int64_t)nc * nrp, 0.0f);
+          std::fill(dP, dP + (int64_t)nc * nrp, 0.0f);
+        } else {
+          for (int gr = 0; gr < ng; ++gr) {
+            lo[gr] = 0;
+            hi[gr] = nc;
+          }
+          for (int c = 0; c < nc; ++c) {
+            rlo[c] = 0;
+            rhi[c] = nr;
+          }
         }
-        // P = exp((s - max) - log_sum), 0 where masked and on padded query lanes.
+        qk_groups(K, ks, Qt, (int)P.Sqp, D, S, nrp, nc, lo, hi, [&](int r0, int width, int c_lo, int c_hi) {
+          if (!P.score_fn) return;
+          for (int c = c_lo; c < c_hi; ++c)
+            std::memcpy(w.s_raw.data() + (int64_t)c * nrp + r0, S + (int64_t)c * nrp + r0, sizeof(float) * width);
+          P.score_fn(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, (int)hq, q0 + r0, kv0 + c_lo,
+                     P.score_arrays);
+        });
+        // P = exp((s - max) - log_sum), 0 where masked, outside the ranges and on padded lanes.
         const int64_t stat = (b * P.Hq + hq) * P.Sq + q0;
         for (int r = 0; r < nrp; ++r) {
           const bool in = r < nr;
@@ -559,26 +701,64 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
         }
         vi16 lane;
         for (int l = 0; l < 16; ++l) lane[l] = l;
-        for (int c = 0; c < nc; ++c) {
-          float* pr = S + (int64_t)c * nrp;
-          for (int r = 0; r < nrp; r += 16) {
-            v16 p = fj_vexp((fj_ld(pr + r) - fj_ld(mxp + r)) - fj_ld(lsp + r));
-            vi16 keep = (lane + r) < nr;
+        for (int gr = 0; gr < ng; ++gr) {
+          const int r = 16 * gr;
+          const vi16 valid = (lane + r) < nr;
+          for (int c = 0; c < nc; ++c) {
+            float* pr = S + (int64_t)c * nrp + r;
+            if (c < lo[gr] || c >= hi[gr]) {
+              fj_st(pr, fj_f(0.0f));
+              continue;
+            }
+            v16 p = fj_vexp((fj_ld(pr) - fj_ld(mxp + r)) - fj_ld(lsp + r));
+            vi16 keep = valid;
             if (masked) keep &= fj_ld(M + (int64_t)c * nrp + r) == 0.0f;
-            fj_st(pr + r, keep ? p : fj_f(0.0f));
+            fj_st(pr, keep ? p : fj_f(0.0f));
           }
         }
-        tn_tile(S, nrp, dO, dos, nr, w.dv.data(), Dv, nc);             // dV += P^T dO
-        qk_full(V, vs, dOt, (int)P.Sqp, Dv, dP, nc, nrp);                // dP^T = V dO^T
-        for (int c = 0; c < nc; ++c) {
-          float* pr = S + (int64_t)c * nrp;
-          float* dpr = dP + (int64_t)c * nrp;
-          for (int r = 0; r < nrp; r += 16) fj_st(dpr + r, fj_ld(pr + r) * (fj_ld(dpr + r) - fj_ld(dep + r)));
+        tn_tile(S, nrp, dO, dos, rlo, rhi, w.dv.data(), Dv, nc);          // dV += P^T dO
+        qk_groups(V, vs, dOt, (int)P.Sqp, Dv, dP, nrp, nc, lo, hi,
+                  [](int, int, int, int) {});                               // dP^T = V dO^T
+        for (int gr = 0; gr < ng; ++gr) {
+          const int r = 16 * gr;
+          for (int c = lo[gr]; c < hi[gr]; ++c) {
+            float* pr = S + (int64_t)c * nrp + r;
+            float* dpr = dP + (int64_t)c * nrp + r;
+            fj_st(dpr, fj_ld(pr) * (fj_ld(dpr) - fj_ld(dep + r)));
+          }
+          // Columns of the chunk's union outside this group's range: dS is 0 there.
+          for (int c = 0; c < nc; ++c)
+            if (c < lo[gr] || c >= hi[gr]) fj_st(dP + (int64_t)c * nrp + r, fj_f(0.0f));
         }
-        if (P.vjp_fn) P.vjp_fn(w.s_raw.data(), dP, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.score_arrays);
-        tn_tile(dP, nrp, Q, qs, nr, w.dk.data(), D, nc);                 // dK += dS^T Q (scaled below)
-        pv_range(dP, nrp, K, ks, 0, nc, P.dq[thread] + ((b * P.Sq + q0) * P.Hq + hq) * P.D, (int)qs, D, 0, nr,
-                 w.ones.data());                                          // dQ += dS K (scaled below)
+        if (P.vjp_fn) {
+          for (int r0 = 0; r0 < nrp;) {  // the chunks of qk_groups, over the same ranges
+            const int width = r0 + 64 <= nrp ? 64 : (r0 + 32 <= nrp ? 32 : 16);
+            int c_lo = nc, c_hi = 0;
+            for (int gr = r0 / 16; gr < (r0 + width) / 16; ++gr) {
+              c_lo = std::min(c_lo, lo[gr]);
+              c_hi = std::max(c_hi, hi[gr]);
+            }
+            if (c_lo < c_hi)
+              P.vjp_fn(w.s_raw.data() + (int64_t)c_lo * nrp + r0, dP + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo,
+                       width, (int)b, (int)hq, q0 + r0, kv0 + c_lo, P.score_arrays);
+            r0 += width;
+          }
+        }
+        tn_tile(dP, nrp, Q, qs, rlo, rhi, w.dk.data(), D, nc);           // dK += dS^T Q (scaled below)
+        float* dQ = P.dq[thread] + ((b * P.Sq + q0) * P.Hq + hq) * P.D;
+        uint8_t& seen = P.written[thread][(b * P.Hq + hq) * P.nqb + idx[t]];
+        if (!seen) {
+          for (int r = 0; r < nr; ++r) std::memset(dQ + (int64_t)r * qs, 0, sizeof(float) * D);
+          seen = 1;
+        }
+        if (masked) {                                                      // dQ += dS K (scaled below)
+          for (int gr = 0; gr < ng; ++gr)
+            if (lo[gr] < hi[gr])
+              pv_range(dP, nrp, K, ks, lo[gr], hi[gr], dQ, (int)qs, D, 16 * gr, std::min(16 * gr + 16, nr),
+                       w.ones.data());
+        } else {
+          pv_range(dP, nrp, K, ks, 0, nc, dQ, (int)qs, D, 0, nr, w.ones.data());
+        }
       }
     }
   }
@@ -590,15 +770,97 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
   }
 }
 
+// Transposes 16 rows of 16 lanes in place: r[j][i] becomes the old r[i][j].
+static inline void transpose16(v16 r[16]) {
+#if defined(__AVX512F__)
+  __m512 t[16];
+  __m512* x = reinterpret_cast<__m512*>(r);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]),
+            c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    x[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    x[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    x[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    x[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    x[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int j = i + 1; j < 16; ++j) {
+      const float a = r[i][j];
+      r[i][j] = r[j][i];
+      r[j][i] = a;
+    }
+#endif
+}
+
+// The prepass of one (batch, query head, 128-row chunk): the chunk's scaled q and dO,
+// transposed into qT and doT (16 x 16 blocks), and delta = rowsum(dO * O) - dlse (a cotangent
+// on lse adds P * dlse to dS), as the XLA loops.
+static void bwd_prepass(const BwdProblem& P, int64_t item) {
+  const int64_t nch = (P.Sq + 127) / 128;
+  const int64_t ch = item % nch, hq = (item / nch) % P.Hq, b = item / (nch * P.Hq);
+  const int64_t r0 = ch * 128, r1 = std::min<int64_t>(P.Sq, r0 + 128);
+  const int64_t qs = P.Hq * P.D, dos = P.Hq * P.Dv;
+  const float* Q = P.q + (b * P.Sq * P.Hq + hq) * P.D;
+  const float* dO = P.dout + (b * P.Sq * P.Hq + hq) * P.Dv;
+  const float* O = P.out + (b * P.Sq * P.Hq + hq) * P.Dv;
+  float* qT = P.qT + (b * P.Hq + hq) * P.D * P.Sqp;
+  float* doT = P.doT + (b * P.Hq + hq) * P.Dv * P.Sqp;
+  auto transpose = [&](const float* X, int64_t xs, int64_t Dx, float* XT, float mult) {
+    for (int64_t rb = r0; rb < r1; rb += 16) {
+      const int64_t n = std::min<int64_t>(16, r1 - rb);
+      for (int64_t d0 = 0; d0 < Dx; d0 += 16) {
+        v16 t[16];
+        for (int64_t i = 0; i < n; ++i) t[i] = fj_ld(X + (rb + i) * xs + d0) * mult;
+        for (int64_t i = n; i < 16; ++i) t[i] = fj_f(0.0f);
+        transpose16(t);
+        for (int j = 0; j < 16; ++j) fj_st(XT + (d0 + j) * P.Sqp + rb, t[j]);
+      }
+    }
+  };
+  transpose(Q, qs, P.D, qT, P.scale);
+  transpose(dO, dos, P.Dv, doT, 1.0f);
+  const int64_t stat = (b * P.Hq + hq) * P.Sq;
+  for (int64_t r = r0; r < r1; ++r) {
+    v16 acc = fj_f(0.0f);
+    for (int64_t d = 0; d < P.Dv; d += 16) acc += fj_ld(dO + r * dos + d) * fj_ld(O + r * dos + d);
+    float sum = 0.0f;
+    for (int i = 0; i < 16; ++i) sum += acc[i];
+    P.delta[stat + r] = sum - P.dlse[stat + r];
+  }
+  // The padded lanes past Sq (up to Sqp) are zero.
+  if (r1 == P.Sq) {
+    for (int64_t d = 0; d < P.D; ++d)
+      std::fill(qT + d * P.Sqp + (P.Sq + 15) / 16 * 16, qT + (d + 1) * P.Sqp, 0.0f);
+    for (int64_t d = 0; d < P.Dv; ++d)
+      std::fill(doT + d * P.Sqp + (P.Sq + 15) / 16 * 16, doT + (d + 1) * P.Sqp, 0.0f);
+  }
+}
+
+struct NoScratch {};
+
 static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> qT,
-                           ffi::Buffer<ffi::F32> doT, ffi::Buffer<ffi::F32> row_max,
-                           ffi::Buffer<ffi::F32> log_sum, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_num,
-                           ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> fq_num, ffi::Buffer<ffi::S32> fq_idx,
-                           ffi::RemainingArgs consts, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                           ffi::ResultBuffer<ffi::F32> dv, float scale, int64_t block_q, int64_t block_kv,
-                           int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t vjp_fn,
-                           int64_t n_score_consts) {
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> dout,
+                           ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> log_sum,
+                           ffi::Buffer<ffi::S32> q_num, ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> fq_num,
+                           ffi::Buffer<ffi::S32> fq_idx, ffi::RemainingArgs consts, ffi::ResultBuffer<ffi::F32> dq,
+                           ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
+                           int64_t block_q, int64_t block_kv, int64_t kv_len, int64_t score_fn, int64_t mask_fn,
+                           int64_t vjp_fn, int64_t n_score_consts) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = q_idx.dimensions(),
        fi = fq_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
@@ -607,13 +869,11 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   P.q = q.typed_data();
   P.k = k.typed_data();
   P.v = v.typed_data();
+  P.out = out.typed_data();
   P.dout = dout.typed_data();
-  P.qT = qT.typed_data();
-  P.doT = doT.typed_data();
-  P.Sqp = qT.dimensions()[3];
+  P.dlse = dlse.typed_data();
   P.row_max = row_max.typed_data();
   P.log_sum = log_sum.typed_data();
-  P.delta = delta.typed_data();
   P.q_num = q_num.typed_data();
   P.q_idx = q_idx.typed_data();
   P.fq_num = fq_num.typed_data();
@@ -630,6 +890,7 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   P.Skv = kd[1];
   P.Hkv = kd[2];
   P.Dv = vd[3];
+  P.Sqp = (P.Sq + 15) / 16 * 16 + 16;
   P.bq = block_q;
   P.bkv = block_kv;
   P.kv_len = kv_len;
@@ -648,30 +909,55 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   P.dk = dk->typed_data();
   P.dv = dv->typed_data();
   const size_t nq = (size_t)P.B * P.Sq * P.Hq * P.D;
-  std::memset(P.dk, 0, sizeof(float) * (size_t)P.B * P.Skv * P.Hkv * P.D);
-  std::memset(P.dv, 0, sizeof(float) * (size_t)P.B * P.Skv * P.Hkv * P.Dv);
+  // Every kv row below kv_len is written by its block's item; the rows past it are zero.
+  for (int64_t bb = 0; bb < P.B; ++bb) {
+    const int64_t r = std::min(P.kv_len, P.Skv), n = P.Skv - r;
+    std::memset(P.dk + (bb * P.Skv + r) * P.Hkv * P.D, 0, sizeof(float) * (size_t)(n * P.Hkv * P.D));
+    std::memset(P.dv + (bb * P.Skv + r) * P.Hkv * P.Dv, 0, sizeof(float) * (size_t)(n * P.Hkv * P.Dv));
+  }
+  if (P.B == 0 || P.Sq == 0 || P.Hq == 0) return ffi::Error::Success();
   const int64_t items = P.B * P.Hkv * ((P.kv_len + P.bkv - 1) / P.bkv);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items));
-  // Thread 0 accumulates into the output; the others into buffers of their own.
-  std::vector<std::vector<float>> extra(threads - 1, std::vector<float>(nq, 0.0f));
-  std::memset(dq->typed_data(), 0, sizeof(float) * nq);
+  const size_t nqt = (size_t)P.B * P.Hq * P.D * P.Sqp, ndot = (size_t)P.B * P.Hq * P.Dv * P.Sqp,
+               nstat = (size_t)P.B * P.Hq * P.Sq;
+  // One lease: qT, doT, delta, then a dQ buffer for each thread but the first (which
+  // accumulates into the output).
+  WorkLease work(nqt + ndot + nstat + (size_t)(threads - 1) * nq);
+  P.qT = work.data();
+  P.doT = P.qT + nqt;
+  P.delta = P.doT + ndot;
   P.dq.push_back(dq->typed_data());
-  for (auto& e : extra) P.dq.push_back(e.data());
+  for (int64_t t = 1; t < threads; ++t) P.dq.push_back(P.delta + nstat + (size_t)(t - 1) * nq);
+  P.nqb = (P.Sq + P.bq - 1) / P.bq;
+  const int64_t units = P.B * P.Hq * P.nqb;
+  std::vector<uint8_t> written((size_t)(threads * units), 0);
+  for (int64_t t = 0; t < threads; ++t) P.written.push_back(written.data() + t * units);
+  const int64_t pre = P.B * P.Hq * ((P.Sq + 127) / 128);
+  run_parallel<NoScratch>(pool, pre, pre, [&P](int64_t i, int64_t, NoScratch&) { bwd_prepass(P, i); });
   if (items > 0) {
     run_parallel<BwdScratch>(pool, items, threads,
                              [&P](int64_t i, int64_t t, BwdScratch& w) { bwd_item(P, i, t, w); });
   }
-  float* out = dq->typed_data();
-  for (auto& e : extra)
-    for (size_t i = 0; i < nq; ++i) out[i] += e[i];
-  for (size_t i = 0; i < nq; ++i) out[i] *= scale;
+  // dQ = scale * the sum of the tiles the threads wrote (0 where none did).
+  run_parallel<NoScratch>(pool, units, units, [&P, scale](int64_t u, int64_t, NoScratch&) {
+    const int64_t qb = u % P.nqb, hq = (u / P.nqb) % P.Hq, b = u / (P.nqb * P.Hq);
+    const int64_t q0 = qb * P.bq, nr = std::min<int64_t>(P.bq, P.Sq - q0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t off = ((b * P.Sq + q0 + r) * P.Hq + hq) * P.D;
+      for (int64_t d = 0; d < P.D; d += 16) {
+        v16 sum = P.written[0][u] ? fj_ld(P.dq[0] + off + d) : fj_f(0.0f);
+        for (size_t t = 1; t < P.dq.size(); ++t)
+          if (P.written[t][u]) sum += fj_ld(P.dq[t] + off + d);
+        fj_st(P.dq[0] + off + d, sum * scale);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
