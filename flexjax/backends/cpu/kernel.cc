@@ -244,6 +244,58 @@ static void qk_groups(const float* K, int64_t ks, const float* Qt, int ldq, int 
   }
 }
 
+// Transposes 16 rows of 16 lanes in place: r[j][i] becomes the old r[i][j].
+static inline void transpose16(v16 r[16]) {
+#if defined(__AVX512F__)
+  __m512 t[16];
+  __m512* x = reinterpret_cast<__m512*>(r);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]),
+            c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    x[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    x[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    x[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    x[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    x[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int j = i + 1; j < 16; ++j) {
+      const float a = r[i][j];
+      r[i][j] = r[j][i];
+      r[j][i] = a;
+    }
+#endif
+}
+
+// XT[d * ldt + r] = mult * X[r * xs + d] for d in [0, Dx) (a multiple of 16) and r in
+// [0, n rounded up to 16), the rows past n zero.
+static void transpose_rows(const float* X, int64_t xs, int64_t n, int64_t Dx, float* XT, int64_t ldt, float mult) {
+  for (int64_t rb = 0; rb < n; rb += 16) {
+    const int64_t m = std::min<int64_t>(16, n - rb);
+    for (int64_t d0 = 0; d0 < Dx; d0 += 16) {
+      v16 t[16];
+      for (int64_t i = 0; i < m; ++i) t[i] = fj_ld(X + (rb + i) * xs + d0) * mult;
+      for (int64_t i = m; i < 16; ++i) t[i] = fj_f(0.0f);
+      transpose16(t);
+      for (int j = 0; j < 16; ++j) fj_st(XT + (d0 + j) * ldt + rb, t[j]);
+    }
+  }
+}
+
 // Runs item(i, thread, scratch) for i in [0, items) on the calling thread and XLA's intra-op
 // pool. The caller never waits for a task that has not started: the pool may be busy (other
 // devices' calls, in a sharded program, run on the same threads and may be waiting too), so
@@ -396,9 +448,13 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   int* hi = w.hi.data();
   float* M = w.mask.data();
   float* Qt = w.qt.data();
-  for (int r = 0; r < nr; ++r) {
-    const float* qr = P.q + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.D;
-    for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = qr[d] * P.scale;
+  if (D % 16 == 0) {
+    transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, Qt, nrp, P.scale);
+  } else {
+    for (int r = 0; r < nr; ++r) {
+      const float* qr = P.q + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.D;
+      for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = qr[d] * P.scale;
+    }
   }
   const int64_t lb = P.Bm == 1 ? 0 : b, lh = P.Hm == 1 ? 0 : hq;
   const int64_t row = (lb * P.Hm + lh) * P.nQ + qb;
@@ -671,9 +727,9 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
             }
             any |= lo[gr] < hi[gr];
           }
+          // (S and dP need no clearing: the passes below write every lane of every column,
+          // zero outside the ranges, before the transposed products read them.)
           if (!any) continue;
-          std::fill(S, S + (int64_t)nc * nrp, 0.0f);
-          std::fill(dP, dP + (int64_t)nc * nrp, 0.0f);
         } else {
           for (int gr = 0; gr < ng; ++gr) {
             lo[gr] = 0;
@@ -770,43 +826,6 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
   }
 }
 
-// Transposes 16 rows of 16 lanes in place: r[j][i] becomes the old r[i][j].
-static inline void transpose16(v16 r[16]) {
-#if defined(__AVX512F__)
-  __m512 t[16];
-  __m512* x = reinterpret_cast<__m512*>(r);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]),
-            c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-    x[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    x[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    x[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    x[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    x[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    x[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-#else
-  for (int i = 0; i < 16; ++i)
-    for (int j = i + 1; j < 16; ++j) {
-      const float a = r[i][j];
-      r[i][j] = r[j][i];
-      r[j][i] = a;
-    }
-#endif
-}
-
 // The prepass of one (batch, query head, 128-row chunk): the chunk's scaled q and dO,
 // transposed into qT and doT (16 x 16 blocks), and delta = rowsum(dO * O) - dlse (a cotangent
 // on lse adds P * dlse to dS), as the XLA loops.
@@ -820,20 +839,8 @@ static void bwd_prepass(const BwdProblem& P, int64_t item) {
   const float* O = P.out + (b * P.Sq * P.Hq + hq) * P.Dv;
   float* qT = P.qT + (b * P.Hq + hq) * P.D * P.Sqp;
   float* doT = P.doT + (b * P.Hq + hq) * P.Dv * P.Sqp;
-  auto transpose = [&](const float* X, int64_t xs, int64_t Dx, float* XT, float mult) {
-    for (int64_t rb = r0; rb < r1; rb += 16) {
-      const int64_t n = std::min<int64_t>(16, r1 - rb);
-      for (int64_t d0 = 0; d0 < Dx; d0 += 16) {
-        v16 t[16];
-        for (int64_t i = 0; i < n; ++i) t[i] = fj_ld(X + (rb + i) * xs + d0) * mult;
-        for (int64_t i = n; i < 16; ++i) t[i] = fj_f(0.0f);
-        transpose16(t);
-        for (int j = 0; j < 16; ++j) fj_st(XT + (d0 + j) * P.Sqp + rb, t[j]);
-      }
-    }
-  };
-  transpose(Q, qs, P.D, qT, P.scale);
-  transpose(dO, dos, P.Dv, doT, 1.0f);
+  transpose_rows(Q + r0 * qs, qs, r1 - r0, P.D, qT + r0, P.Sqp, P.scale);
+  transpose_rows(dO + r0 * dos, dos, r1 - r0, P.Dv, doT + r0, P.Sqp, 1.0f);
   const int64_t stat = (b * P.Hq + hq) * P.Sq;
   for (int64_t r = r0; r < r1; ++r) {
     v16 acc = fj_f(0.0f);
