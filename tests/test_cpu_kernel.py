@@ -229,3 +229,70 @@ def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
         assert ("flexjax_cpu_backward" in hlo) == (name != "document+t5"), name
         check_case("xla", name, shape)
     assert "flexjax_cpu_backward" not in _grad_hlo(BY_NAME["causal"], shape, kernel_options={"cpu_kernel": False})
+
+
+def _decode_case(B, Sq, Hq, Hkv, D, Skv, lengths, seed=0):
+    """Decode-shaped inputs and a per-head, per-query score_mod with a captured table (it reads
+    h and q_idx, so packed tiles must give every lane its own head and position)."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q, do = (jax.random.normal(kk, (B, Sq, Hq, D)) for kk in ks[:2])
+    k, v = (jax.random.normal(kk, (B, Skv, Hkv, D)) for kk in ks[2:4])
+    slopes = jax.random.uniform(ks[4], (Hq,), minval=0.01, maxval=0.2)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    mask = flexjax.and_masks(masks.padding(lengths), masks.causal_bottom_right(Sq, lengths))
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s - slopes[h] * jnp.abs(q_idx + lengths[b] - Sq - kv_idx).astype(s.dtype) + 0.1 * (h % 3)
+
+    return q, k, v, do, mask, score
+
+
+def _decode_check(q, k, v, do, bm, score, what):
+    def loss(q, k, v, backend):
+        out, lse = flexjax.flex_attention(q, k, v, score, bm, return_lse=True, backend=backend)
+        return jnp.sum(out * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    assert "flexjax_cpu_forward" in run.lower(q, k, v, "xla").as_text(), "the C++ kernel did not run"
+    (_, got_aux), got = run(q, k, v, "xla")
+    (_, want_aux), want = run(q, k, v, "reference")
+    assert_close(what, (got_aux, got), (want_aux, want), (want_aux, want), jnp.float32)
+
+
+@pytest.mark.parametrize("sq", [1, pytest.param(5, marks=pytest.mark.slow), 17])
+def test_decode_tiles_pack_gqa_heads(sq, monkeypatch):
+    """Few queries: a GQA group's heads share one tile's rows (mods read h and q_idx per lane;
+    at Sq=17 a 16-lane group straddles two heads), ragged lengths, forward, lse and gradients."""
+    packed = []
+    real = cpu._packed_address
+    monkeypatch.setattr(cpu, "_packed_address", lambda *a: packed.append(real(*a)) or packed[-1])
+    q, k, v, do, mask, score = _decode_case(2, sq, 8, 2, 32, 300, [300, 77])
+    bm = flexjax.create_block_mask(mask, 2, None, sq, 300, block_size=(32, 64))
+    _decode_check(q, k, v, do, bm, score, f"packed decode sq={sq}")
+    assert packed and all(packed), "no packed mod variant was built"
+
+
+def test_decode_splits_the_kv_range():
+    """One sequence and one kv head: the tile list is split into shares run in parallel and
+    merged by their row maxima; shares where a head has no allowed key (its score_mod gives
+    -inf past key 40) and a sequence of length 0 (every row fully masked)."""
+    q, k, v, do, mask, score = _decode_case(2, 2, 4, 1, 16, 2048, [2048, 0], seed=1)
+
+    def gated(s, b, h, q_idx, kv_idx):
+        return jnp.where((h == 1) & (kv_idx > 40), -jnp.inf, score(s, b, h, q_idx, kv_idx))
+
+    bm = flexjax.create_block_mask(mask, 2, None, 2, 2048, block_size=64)
+    _decode_check(q, k, v, do, bm, gated, "split decode")
+    # The cache idiom: a block mask built once, a traced position per step.
+    full = flexjax.create_block_mask(masks.causal, None, None, 2048, 2048, block_size=64)
+    q1 = q[:1, :1]
+
+    @jax.jit
+    def step(q1, k, v, pos):
+        return flexjax.flex_attention(q1, k, v, block_mask=flexjax.paged.decode_block_mask(full, pos))
+
+    assert "flexjax_cpu_forward" in step.lower(q1, k[:1], v[:1], jnp.int32(5)).as_text()
+    for pos in (5, 1000, 2047):
+        want = flexjax.flex_attention(q1, k[:1], v[:1], backend="reference", block_mask=flexjax.create_block_mask(
+            masks.causal_with_offset(pos), None, None, 1, 2048, block_size=64))
+        assert_close(f"step {pos}", step(q1, k[:1], v[:1], jnp.int32(pos)), want, want, jnp.float32)

@@ -28,9 +28,15 @@ def _score(tab):
     return lambda s, b, h, q_idx, kv_idx: s + 0.05 * tab[h] * (kv_idx - q_idx).astype(s.dtype)
 
 
-def _loss_and_grads(bm, backend, q, k, v, do, tab):
+# The xla backend's decode path in XLA ops (on AVX-512 CPUs its calls otherwise take the
+# C++ kernel's packed decode tiles, which tests/test_cpu_kernel.py checks).
+XLA_DECODE = {"cpu_kernel": False}
+
+
+def _loss_and_grads(bm, backend, q, k, v, do, tab, kernel_options=None):
     def loss(q, k, v, tab):
-        out, lse = flexjax.flex_attention(q, k, v, _score(tab), bm, return_lse=True, backend=backend)
+        out, lse = flexjax.flex_attention(q, k, v, _score(tab), bm, return_lse=True, backend=backend,
+                                          kernel_options=kernel_options)
         return jnp.sum(out * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
     (_, aux), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, tab)
@@ -64,8 +70,9 @@ def test_decode_path_matches_reference(sq, decode_calls):
     mask = flexjax.and_masks(masks.padding(lengths), masks.causal_bottom_right(sq, lengths))
     bm = flexjax.create_block_mask(mask, B, None, sq, SKV, block_size=(16 if sq > 16 else 32, 32))
     truth = _loss_and_grads(bm, "reference", q, k, v, do, tab)
-    got = _loss_and_grads(bm, "xla", q, k, v, do, tab)
-    assert_close(f"xla decode sq={sq}", got, truth, truth, jnp.float32)
+    for opts in (None, XLA_DECODE):
+        got = _loss_and_grads(bm, "xla", q, k, v, do, tab, opts)
+        assert_close(f"xla decode sq={sq} {opts}", got, truth, truth, jnp.float32)
     # The pallas backward is its usual one (on the decode kernel's residuals): gradients
     # in the slow cases, the forward here, to keep the default suite short.
     if sq == 3:
@@ -91,7 +98,7 @@ def test_decode_path_per_head_mask_and_q_blocks(decode_calls):
     bm = flexjax.create_block_mask(per_head, None, HQ, sq, 96, block_size=(4, 16))
     truth = _loss_and_grads(bm, "reference", q, k, v, do, tab)
     for backend in ("xla", "pallas"):
-        got = _loss_and_grads(bm, backend, q, k, v, do, tab)
+        got = _loss_and_grads(bm, backend, q, k, v, do, tab, XLA_DECODE if backend == "xla" else None)
         assert backend in decode_calls
         assert_close(f"{backend} per-head decode", got, truth, truth, jnp.float32)
 

@@ -480,12 +480,17 @@ def row_stats(lse, residuals):
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
     """out, lse and, for the backward, each row's (max, log-sum) (B, Hq, Sq)."""
+    from . import cpu  # the same forward as one fused C++ call (AVX-512 CPUs with a C++ compiler)
+    if cpu.reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) is None:
+        return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists, _xla_forward)
+    return _xla_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+
+
+def _xla_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    """``forward_with_residuals`` in XLA ops: the decode path for few queries, else the loops."""
     from . import _decode  # few queries (Sq <= 64): GQA rows packed, KV chunks merged by lse
     if _decode.serves(spec, q):
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
-    from . import cpu  # the same forward as one fused C++ call (AVX-512 CPUs with a C++ compiler)
-    if cpu.reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) is None:
-        return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists, _loops_forward)
     return _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
 
 

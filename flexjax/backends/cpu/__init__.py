@@ -171,6 +171,20 @@ def _mod_address(mod, consts) -> int:
     return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
 
 
+def _packed_address(mod, consts) -> int:
+    """Address of ``mod``'s variant for tiles of packed query heads (0 for no mod, or none)."""
+    if mod is None:
+        return 0
+    avals = tuple(jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts)
+    try:
+        gen = _codegen.generate(mod, avals, packed=True)
+    except NotImplementedError:
+        return 0  # the kernel then runs one query head per tile
+    with _LOCK:
+        lib = _load(_build(gen.source, "mod"))
+    return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
+
+
 _COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -180,6 +194,12 @@ def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None
         return "kernel_options cpu_kernel=False"
     if any(spec.options.get(f) for f in ("block_q", "block_kv")):
         return "explicit forward tiles in kernel_options"
+    from .._decode import DECODE_MAX_Q  # a decode step's cost must follow the tiles it reads
+
+    if q.shape[1] <= DECODE_MAX_Q and (k.dtype != jnp.float32 or v.dtype != jnp.float32):
+        # The kernel reads float32: a 16-bit cache would be converted whole at every step,
+        # O(capacity), where the XLA decode path upcasts only the tiles it reads.
+        return "a decode step over a 16-bit cache"
     return _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed)
 
 
@@ -297,7 +317,9 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
                 jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
                 jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
         call = jax.ffi.ffi_call(_TARGET, outs)
-        out, m, l = call(_f32(q), _f32(k), _f32(v), *lists[:4], *score_consts, *mask_consts, **attrs)
+        packed = dict(score_packed=np.int64(_packed_address(spec.score, score_consts)),
+                      mask_packed=np.int64(_packed_address(spec.mask, mask_consts)))
+        out, m, l = call(_f32(q), _f32(k), _f32(v), *lists[:4], *score_consts, *mask_consts, **attrs, **packed)
         lse, row_max, log_sum = row_stats(m, l)
         return out.astype(q.dtype), lse, row_max, log_sum
     out, _, dout, dlse, row_max, log_sum = lead[3:]

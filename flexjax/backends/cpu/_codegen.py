@@ -452,16 +452,20 @@ def _emit_nodes(em: _Emitter, nodes, env, arrays):
 _CACHE: dict = {}
 
 
-def generate(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
+def generate(mod: StaticMod, const_avals: tuple, packed: bool = False) -> GeneratedMod:
     """The C++ tile function of ``mod`` whose captured arrays have ``const_avals``; cached.
+
+    ``packed``: the variant for tiles whose lanes hold several query heads (the kernel's
+    decode tiles, GQA heads packed into one tile's rows): ``h`` and ``q_idx`` are read per
+    lane from two int32 arrays instead of being a scalar and ``q0 + lane``.
 
     Raises:
       NotImplementedError: naming the first primitive, dtype or read without a translation.
     """
-    key = (mod, tuple((a.shape, _dtype_name(a)) for a in const_avals))
+    key = (mod, tuple((a.shape, _dtype_name(a)) for a in const_avals), packed)
     if key not in _CACHE:
         try:
-            _CACHE[key] = _generate(mod, const_avals)
+            _CACHE[key] = _generate(mod, const_avals, packed)
         except NotImplementedError as e:
             _CACHE[key] = e
     got = _CACHE[key]
@@ -514,7 +518,7 @@ def generate_vjp(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
     return got
 
 
-def _generate(mod, const_avals: tuple) -> GeneratedMod:
+def _generate(mod, const_avals: tuple, packed: bool = False) -> GeneratedMod:
     jaxpr = mod.jaxpr
     fl = _Flattener(mod.name, "xla")
     ins = [fl.new(v.aval) for v in jaxpr.invars]
@@ -541,7 +545,7 @@ def _generate(mod, const_avals: tuple) -> GeneratedMod:
             raise em.unsupported(f"argument {n} of dtype {dtype}")
     arg = dict(zip(names, args))
     env[arg["b"]] = _Val("b", False, "int32")
-    env[arg["h"]] = _Val("h", False, "int32")
+    env[arg["h"]] = _Val("h", packed, "int32")
     env[arg["kv_idx"]] = _Val("kv_idx", False, "int32")
     env[arg["q_idx"]] = _Val("q_idx", True, "int32")
     if mod.kind in ("score", "vjp"):
@@ -552,7 +556,7 @@ def _generate(mod, const_avals: tuple) -> GeneratedMod:
     res = _value(em, out, env)
     if isinstance(res, list):
         raise em.unsupported("a mod whose result is not one value per position")
-    symbol = "fj_" + hashlib.sha256(f"{mod.key}|{const_avals}".encode()).hexdigest()[:20]
+    symbol = "fj_" + hashlib.sha256(f"{mod.key}|{const_avals}|{packed}".encode()).hexdigest()[:20]
     if mod.kind == "mask":
         ok = em.vec(res) if res.dtype == "bool" else f"({em.vec(res)} != 0)"
         store = f"fj_st(p, {ok} ? fj_ld(p) : fj_f(-INFINITY));"
@@ -570,18 +574,25 @@ def _generate(mod, const_avals: tuple) -> GeneratedMod:
     load = {"score": "      const v16 score = fj_ld(p); (void)score;",
             "vjp": "      const v16 score = fj_ld(s + (int64_t)c * ld + r); (void)score; const v16 dout = fj_ld(p);",
             "mask": ""}[mod.kind]
+    if packed:
+        rows = "const int32_t* hl, const int32_t* ql"
+        lanes = ("      vi16 q_idx, h; std::memcpy(&q_idx, ql + r, sizeof(q_idx)); std::memcpy(&h, hl + r, sizeof(h)); "
+                 "(void)q_idx; (void)h;")
+    else:
+        rows = "int h, int q0"
+        lanes = "      const vi16 q_idx = (q0 + r) + iota; (void)q_idx;"
     body = [
-        f'extern "C" void {symbol}({head}, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0, '
+        f'extern "C" void {symbol}({head}, int64_t ld, int nc, int nr, int b, {rows}, int kv0, '
         "const void* const* arrays) {",
         *("  " + d for d in decls),
-        "  (void)b; (void)h; (void)arrays;",
+        "  (void)b; (void)arrays;",
         "  vi16 iota; for (int _l = 0; _l < 16; ++_l) iota[_l] = _l;",
         "  for (int c = 0; c < nc; ++c) {",
         "    const int32_t kv_idx = kv0 + c; (void)kv_idx;",
         *("    " + line for line in em.outer),
         "    for (int r = 0; r < nr; r += 16) {",
         f"      float* p = {tile} + (int64_t)c * ld + r;",
-        "      const vi16 q_idx = (q0 + r) + iota; (void)q_idx;",
+        lanes,
         load,
         *("      " + line for line in em.inner),
         f"      {store}",

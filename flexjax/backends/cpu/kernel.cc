@@ -406,6 +406,9 @@ class WorkLease {
   std::unique_ptr<WorkBlock> block_;
 };
 
+using PackedFn = void (*)(float* s, int64_t ld, int nc, int nr, int b, const int32_t* hl, const int32_t* ql, int kv0,
+                          const void* const* arrays);
+
 struct Problem {
   const float *q, *k, *v;
   const int32_t *kv_num, *kv_idx, *fkv_num, *fkv_idx;
@@ -415,130 +418,308 @@ struct Problem {
   int64_t bq, bkv, kv_len;
   float scale;
   ModFn score_fn, mask_fn;
+  PackedFn score_packed, mask_packed;  // the mods' variants with per-lane h and q_idx
   const void* const* score_arrays;
   const void* const* mask_arrays;
   float *out, *m_out, *l_out;
+  // A head group is Gp query heads of one kv head sharing a tile's rows (lane g * nq + i:
+  // head g, query i of the q block). An item is Gi head groups (Gi > 1: their kv heads are
+  // read together, row by row, as the cache lies in memory) over split s of nsplit
+  // contiguous shares of their tile list.
+  int64_t Gp, Gi, nsplit;
+  float* part;  // nsplit > 1: per item and group, the unnormalized rows, row maxima, row sums
+  int64_t part_stride;
+};
+
+struct GroupState {
+  std::vector<float> qt, qr, o, m, l;  // qr: the scaled query rows, for tiles of one 16-lane group
+  std::vector<int32_t> hl, ql;
 };
 
 struct Scratch {
-  std::vector<float> qt, s, mask, o, m, l, alpha;
+  std::vector<float> s, mask, alpha;
   std::vector<int> lo, hi;
+  std::vector<GroupState> grp;
 };
 
-// One q block of one (batch, query head): every tile of its partial list, then of its full list.
-static void run_item(const Problem& P, int64_t item, Scratch& w) {
-  const int64_t nqb = (P.Sq + P.bq - 1) / P.bq;
-  const int64_t qb = item % nqb, hq = (item / nqb) % P.Hq, b = item / (nqb * P.Hq);
-  const int64_t hkv = hq / (P.Hq / P.Hkv);
-  const int q0 = (int)(qb * P.bq);
-  const int nr = (int)std::min<int64_t>(P.bq, P.Sq - q0);
-  const int nrp = (nr + 15) / 16 * 16;
-  const int D = (int)P.D, Dv = (int)P.Dv;
-  w.qt.assign((size_t)D * nrp, 0.0f);
-  w.s.resize((size_t)P.bkv * nrp);
-  w.o.assign((size_t)nrp * Dv, 0.0f);
-  w.m.assign(nrp, -FLT_MAX);
-  w.l.assign(nrp, 0.0f);
-  w.alpha.resize(nrp);
-  w.mask.resize((size_t)P.bkv * nrp);
-  const int ng = nrp / 16;
-  w.lo.resize(ng);
-  w.hi.resize(ng);
-  int* lo = w.lo.data();
-  int* hi = w.hi.data();
-  float* M = w.mask.data();
-  float* Qt = w.qt.data();
-  if (D % 16 == 0) {
-    transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, Qt, nrp, P.scale);
-  } else {
+struct ItemRows {  // where one head group's lanes come from
+  int64_t b, hq0, q0, nq, nr, nrp;
+};
+
+static ItemRows group_rows(const Problem& P, int64_t base, int64_t j) {
+  const int64_t nqb = (P.Sq + P.bq - 1) / P.bq, nig = P.Hq / (P.Gp * P.Gi);
+  ItemRows R;
+  const int64_t qb = base % nqb, ig = (base / nqb) % nig;
+  R.b = base / (nqb * nig);
+  R.hq0 = (ig * P.Gi + j) * P.Gp;
+  R.q0 = qb * P.bq;
+  R.nq = std::min<int64_t>(P.bq, P.Sq - R.q0);
+  R.nr = P.Gp * R.nq;
+  R.nrp = (R.nr + 15) / 16 * 16;
+  return R;
+}
+
+// Writes lane r's normalized row (o / l), row max m and row sum l to the outputs.
+static inline void write_row(const Problem& P, const ItemRows& R, int64_t r, const float* o, float m, float l) {
+  const int64_t h = R.hq0 + r / R.nq, qi = R.q0 + r % R.nq;
+  const float inv = 1.0f / (l > 0.0f ? l : 1.0f);
+  float* orow = P.out + ((R.b * P.Sq + qi) * P.Hq + h) * P.Dv;
+  for (int64_t d = 0; d < P.Dv; ++d) orow[d] = o[d] * inv;
+  P.m_out[(R.b * P.Hq + h) * P.Sq + qi] = m;
+  P.l_out[(R.b * P.Hq + h) * P.Sq + qi] = l;
+}
+
+// St[c][r] = sum_d K[c][d] Q[r][d] for c in [c_lo, c_hi), r < nr <= 16, with Q's rows
+// (D floats, a multiple of 16) in row order: the decode tile's product. Each key row is read
+// as D / 16 vectors and dotted with every query row; 16 columns' sums come out of one 16 x 16
+// transpose. (The lane-broadcast product of qk_cols would spend 16 lanes on nr rows.)
+static void qk_dot(const float* K, int64_t ks, const float* Q, int D, int nr, float* St, int ldS, int c_lo, int c_hi) {
+  for (int c0 = c_lo; c0 < c_hi; c0 += 16) {
+    const int n = std::min(16, c_hi - c0);
+    const float* krow[16];
+    for (int i = 0; i < 16; ++i) krow[i] = K + (int64_t)(c0 + std::min(i, n - 1)) * ks;
+    v16 out[16];
+    for (int i = 0; i < 16; ++i) out[i] = fj_f(0.0f);
     for (int r = 0; r < nr; ++r) {
-      const float* qr = P.q + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.D;
-      for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = qr[d] * P.scale;
+      v16 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = fj_f(0.0f);
+      const float* qr = Q + (int64_t)r * D;
+      for (int d = 0; d < D; d += 16) {
+        const v16 qv = fj_ld(qr + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] += fj_ld(krow[i] + d) * qv;
+      }
+      transpose16(acc);
+      v16 sum = acc[0];
+      for (int i = 1; i < 16; ++i) sum += acc[i];
+      for (int i = 0; i < 16; ++i) out[i][r] = sum[i];  // column c0 + i, lane r
     }
-  }
-  const int64_t lb = P.Bm == 1 ? 0 : b, lh = P.Hm == 1 ? 0 : hq;
-  const int64_t row = (lb * P.Hm + lh) * P.nQ + qb;
-  const int64_t ks = P.Hkv * P.D, vs = P.Hkv * P.Dv;
-  float* S = w.s.data();
-  float* O = w.o.data();
-  for (int pass = 0; pass < 2; ++pass) {
-    const bool partial = pass == 0;
-    const int n = partial ? P.kv_num[row] : P.fkv_num[row];
-    const int32_t* idx = partial ? P.kv_idx + row * P.wp : P.fkv_idx + row * P.wf;
-    for (int t = 0; t < n; ++t) {
-      const int kv0 = (int)(idx[t] * P.bkv);
-      const int nc = (int)std::min<int64_t>(P.bkv, P.kv_len - kv0);
-      if (nc <= 0) continue;
-      const float* K = P.k + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.D;
-      const float* V = P.v + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.Dv;
-      // Each 16-row group's kv range [lo, hi): the columns where any of its rows is allowed.
-      // Partial tiles evaluate mask_mod first (into M: 0 allowed, -inf not), so rows and
-      // columns the mask excludes cost no multiply.
-      const bool masked = partial && P.mask_fn;
-      if (masked) {
-        std::fill(M, M + (int64_t)nc * nrp, 0.0f);
-        P.mask_fn(M, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
-        group_ranges(M, nrp, nc, lo, hi);
-      } else {
-        for (int g = 0; g < ng; ++g) {
-          lo[g] = 0;
-          hi[g] = nc;
-        }
-      }
-      qk_groups(K, ks, Qt, nrp, D, S, nrp, nc, lo, hi, [&](int r0, int width, int c_lo, int c_hi) {
-        if (P.score_fn)
-          P.score_fn(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, (int)hq, q0 + r0, kv0 + c_lo,
-                     P.score_arrays);
-      });
-      for (int g = 0; g < ng; ++g) {
-        const int r = 16 * g;
-        v16 m_old = fj_ld(w.m.data() + r), mx = m_old;
-        if (masked) {
-          for (int c = lo[g]; c < hi[g]; ++c) {
-            float* p = S + (int64_t)c * nrp + r;
-            v16 x = fj_ld(p);
-            x = fj_ld(M + (int64_t)c * nrp + r) == 0.0f ? x : fj_f(-INFINITY);
-            fj_st(p, x);
-            mx = x > mx ? x : mx;
-          }
-        } else {
-          for (int c = lo[g]; c < hi[g]; ++c) {
-            v16 x = fj_ld(S + (int64_t)c * nrp + r);
-            mx = x > mx ? x : mx;
-          }
-        }
-        v16 sum = fj_f(0.0f);
-        for (int c = lo[g]; c < hi[g]; ++c) {
-          float* p = S + (int64_t)c * nrp + r;
-          v16 e = vexp_le0(fj_ld(p) - mx);
-          fj_st(p, e);
-          sum += e;
-        }
-        v16 alpha = vexp_le0(m_old - mx);
-        fj_st(w.l.data() + r, fj_ld(w.l.data() + r) * alpha + sum);
-        fj_st(w.m.data() + r, mx);
-        fj_st(w.alpha.data() + r, alpha);
-      }
-      // A group with no allowed column keeps its max, so its rows' alpha is 1.
-      for (int g = 0; g < ng; ++g) {
-        if (lo[g] < hi[g])
-          pv_range(S, nrp, V, vs, lo[g], hi[g], O, Dv, Dv, 16 * g, std::min(16 * g + 16, nr), w.alpha.data());
-      }
-    }
-  }
-  for (int r = 0; r < nr; ++r) {
-    const float l = w.l[r];
-    const float inv = 1.0f / (l > 0.0f ? l : 1.0f);
-    float* orow = P.out + ((b * P.Sq + q0 + r) * P.Hq + hq) * P.Dv;
-    for (int d = 0; d < Dv; ++d) orow[d] = O[(int64_t)r * Dv + d] * inv;
-    P.m_out[(b * P.Hq + hq) * P.Sq + q0 + r] = w.m[r];
-    P.l_out[(b * P.Hq + hq) * P.Sq + q0 + r] = l;
+    for (int i = 0; i < n; ++i) fj_st(St + (int64_t)(c0 + i) * ldS, out[i]);
   }
 }
 
-static void run_all(const Problem& P, ffi::ThreadPool& pool) {
-  const int64_t items = P.B * P.Hq * ((P.Sq + P.bq - 1) / P.bq);
+// One tile of one head group: masks, scores, the online softmax and O += P V.
+static void group_tile(const Problem& P, const ItemRows& R, GroupState& gs, Scratch& w, bool partial, int kv0,
+                       int nc) {
+  const int64_t b = R.b, hq = R.hq0, hkv = hq / (P.Hq / P.Hkv);
+  const int q0 = (int)R.q0, nr = (int)R.nr, nrp = (int)R.nrp, ng = nrp / 16;
+  const bool packed = P.Gp > 1;
+  const int D = (int)P.D, Dv = (int)P.Dv;
+  const int64_t ks = P.Hkv * P.D, vs = P.Hkv * P.Dv;
+  const float* K = P.k + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.D;
+  const float* V = P.v + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.Dv;
+  int* lo = w.lo.data();
+  int* hi = w.hi.data();
+  float* M = w.mask.data();
+  float* S = w.s.data();
+  const int32_t* hl = gs.hl.data();
+  const int32_t* ql = gs.ql.data();
+  // Each 16-row group's kv range [lo, hi): the columns where any of its rows is allowed.
+  // Partial tiles evaluate mask_mod first (into M: 0 allowed, -inf not), so rows and
+  // columns the mask excludes cost no multiply.
+  const bool masked = partial && P.mask_fn;
+  if (masked) {
+    std::fill(M, M + (int64_t)nc * nrp, 0.0f);
+    if (packed) P.mask_packed(M, nrp, nc, nrp, (int)b, hl, ql, kv0, P.mask_arrays);
+    else P.mask_fn(M, nrp, nc, nrp, (int)b, (int)hq, q0, kv0, P.mask_arrays);
+    group_ranges(M, nrp, nc, lo, hi);
+  } else {
+    for (int g = 0; g < ng; ++g) {
+      lo[g] = 0;
+      hi[g] = nc;
+    }
+  }
+  auto score = [&](int r0, int width, int c_lo, int c_hi) {
+    if (!P.score_fn) return;
+    if (packed)
+      P.score_packed(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, hl + r0, ql + r0, kv0 + c_lo,
+                     P.score_arrays);
+    else
+      P.score_fn(S + (int64_t)c_lo * nrp + r0, nrp, c_hi - c_lo, width, (int)b, (int)hq, q0 + r0, kv0 + c_lo,
+                 P.score_arrays);
+  };
+  if (!gs.qr.empty()) {  // one 16-lane group: the decode product
+    if (lo[0] < hi[0]) {
+      qk_dot(K, ks, gs.qr.data(), D, nr, S, nrp, lo[0], hi[0]);
+      score(0, 16, lo[0], hi[0]);
+    }
+  } else {
+    qk_groups(K, ks, gs.qt.data(), nrp, D, S, nrp, nc, lo, hi, score);
+  }
+  float* m = gs.m.data();
+  float* l = gs.l.data();
+  for (int g = 0; g < ng; ++g) {
+    const int r = 16 * g;
+    v16 m_old = fj_ld(m + r), mx = m_old;
+    if (masked) {
+      for (int c = lo[g]; c < hi[g]; ++c) {
+        float* p = S + (int64_t)c * nrp + r;
+        v16 x = fj_ld(p);
+        x = fj_ld(M + (int64_t)c * nrp + r) == 0.0f ? x : fj_f(-INFINITY);
+        fj_st(p, x);
+        mx = x > mx ? x : mx;
+      }
+    } else {
+      for (int c = lo[g]; c < hi[g]; ++c) {
+        v16 x = fj_ld(S + (int64_t)c * nrp + r);
+        mx = x > mx ? x : mx;
+      }
+    }
+    v16 sum = fj_f(0.0f);
+    for (int c = lo[g]; c < hi[g]; ++c) {
+      float* p = S + (int64_t)c * nrp + r;
+      v16 e = vexp_le0(fj_ld(p) - mx);
+      fj_st(p, e);
+      sum += e;
+    }
+    v16 alpha = vexp_le0(m_old - mx);
+    fj_st(l + r, fj_ld(l + r) * alpha + sum);
+    fj_st(m + r, mx);
+    fj_st(w.alpha.data() + r, alpha);
+  }
+  // A group with no allowed column keeps its max, so its rows' alpha is 1.
+  for (int g = 0; g < ng; ++g) {
+    if (lo[g] < hi[g])
+      pv_range(S, nrp, V, vs, lo[g], hi[g], gs.o.data(), Dv, Dv, 16 * g, std::min(16 * g + 16, nr), w.alpha.data());
+  }
+}
+
+// One item: a q block of Gi head groups over one share of their tile list (the partial
+// tiles, then the full ones).
+static void run_item(const Problem& P, int64_t item, Scratch& w) {
+  const int64_t split = item % P.nsplit, base = item / P.nsplit;
+  const ItemRows R0 = group_rows(P, base, 0);
+  const int nq = (int)R0.nq, nr = (int)R0.nr, nrp = (int)R0.nrp, q0 = (int)R0.q0;
+  const int64_t b = R0.b;
+  const int D = (int)P.D, Dv = (int)P.Dv;
+  w.s.resize((size_t)P.bkv * nrp);
+  w.mask.resize((size_t)P.bkv * nrp);
+  w.alpha.resize(nrp);
+  w.lo.resize(nrp / 16);
+  w.hi.resize(nrp / 16);
+  w.grp.resize(P.Gi);
+  for (int64_t j = 0; j < P.Gi; ++j) {
+    GroupState& gs = w.grp[j];
+    const int64_t hq = R0.hq0 + j * P.Gp;
+    gs.qt.assign((size_t)D * nrp, 0.0f);
+    gs.o.assign((size_t)nrp * Dv, 0.0f);
+    gs.m.assign(nrp, -FLT_MAX);
+    gs.l.assign(nrp, 0.0f);
+    float* Qt = gs.qt.data();
+    if (P.Gp == 1 && D % 16 == 0) {
+      transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, Qt, nrp, P.scale);
+    } else {
+      for (int r = 0; r < nr; ++r) {
+        const float* qr = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
+        for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = qr[d] * P.scale;
+      }
+    }
+    gs.qr.clear();
+    if (nrp == 16 && D % 16 == 0) {
+      gs.qr.resize((size_t)nr * D);
+      for (int r = 0; r < nr; ++r) {
+        const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
+        for (int d = 0; d < D; ++d) gs.qr[(size_t)r * D + d] = qrow[d] * P.scale;
+      }
+    }
+    if (P.Gp > 1) {  // each lane's head and query position (padding lanes repeat the last row)
+      gs.hl.resize(nrp);
+      gs.ql.resize(nrp);
+      for (int r = 0; r < nrp; ++r) {
+        const int rr = std::min(r, nr - 1);
+        gs.hl[r] = (int32_t)(hq + rr / nq);
+        gs.ql[r] = (int32_t)(q0 + rr % nq);
+      }
+    }
+  }
+  // Every group of an item shares its lists (Gi > 1 or Gp > 1 only when Hm == 1).
+  const int64_t lb = P.Bm == 1 ? 0 : b, lh = P.Hm == 1 ? 0 : R0.hq0;
+  const int64_t row = (lb * P.Hm + lh) * P.nQ + q0 / P.bq;
+  const int n_p = P.kv_num[row], n_all = n_p + P.fkv_num[row];
+  const int t_lo = (int)(n_all * split / P.nsplit), t_hi = (int)(n_all * (split + 1) / P.nsplit);
+  for (int t = t_lo; t < t_hi; ++t) {
+    const bool partial = t < n_p;
+    const int kv0 = (int)((partial ? P.kv_idx[row * P.wp + t] : P.fkv_idx[row * P.wf + t - n_p]) * P.bkv);
+    const int nc = (int)std::min<int64_t>(P.bkv, P.kv_len - kv0);
+    if (nc <= 0) continue;
+    // (Software prefetch of the next tile's rows measured slower: 53 against 36 ms for a
+    // 16k-token decode step, its prefetches stalling on the fill buffers.)
+    for (int64_t j = 0; j < P.Gi; ++j) group_tile(P, group_rows(P, base, j), w.grp[j], w, partial, kv0, nc);
+  }
+  for (int64_t j = 0; j < P.Gi; ++j) {
+    const ItemRows R = group_rows(P, base, j);
+    const GroupState& gs = w.grp[j];
+    if (P.nsplit == 1) {
+      for (int r = 0; r < nr; ++r) write_row(P, R, r, gs.o.data() + (int64_t)r * Dv, gs.m[r], gs.l[r]);
+      continue;
+    }
+    float* part = P.part + (item * P.Gi + j) * P.part_stride;  // (nrp x Dv) rows, nrp maxima, nrp sums
+    std::memcpy(part, gs.o.data(), sizeof(float) * (size_t)nr * Dv);
+    std::memcpy(part + (int64_t)nrp * Dv, gs.m.data(), sizeof(float) * nr);
+    std::memcpy(part + (int64_t)nrp * Dv + nrp, gs.l.data(), sizeof(float) * nr);
+  }
+}
+
+// nsplit > 1: one item's shares merged by their row maxima (flash-decoding's merge).
+static void merge_item(const Problem& P, int64_t base) {
+  std::vector<float> o(P.Dv);
+  for (int64_t j = 0; j < P.Gi; ++j) {
+    const ItemRows R = group_rows(P, base, j);
+    const int64_t Dv = P.Dv, nrp = R.nrp;
+    auto share = [&](int64_t s) { return P.part + ((base * P.nsplit + s) * P.Gi + j) * P.part_stride; };
+    for (int64_t r = 0; r < R.nr; ++r) {
+      float m = -FLT_MAX;
+      for (int64_t s = 0; s < P.nsplit; ++s) m = std::max(m, share(s)[nrp * Dv + r]);
+      float l = 0.0f;
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t s = 0; s < P.nsplit; ++s) {
+        const float* part = share(s);
+        const float ls = part[nrp * Dv + nrp + r];
+        if (ls == 0.0f) continue;  // a share with no allowed key (its max may be -FLT_MAX)
+        const float a = std::exp(part[nrp * Dv + r] - m);
+        l += ls * a;
+        for (int64_t d = 0; d < Dv; ++d) o[d] += part[r * Dv + d] * a;
+      }
+      write_row(P, R, r, o.data(), m, l);
+    }
+  }
+}
+
+// Heads packed per head group: the GQA group's query heads when the lists are shared by
+// every head, the packed mods exist and their rows fit one 128-lane tile (decoding); else one.
+static int64_t packed_heads(const Problem& P) {
+  const int64_t G = P.Hq / P.Hkv, nq = std::min(P.bq, P.Sq);
+  if (G == 1 || P.Hm != 1 || (P.score_fn && !P.score_packed) || (P.mask_fn && !P.mask_packed)) return 1;
+  for (int64_t gp = G; gp > 1; --gp)
+    if (G % gp == 0 && gp * nq <= 128) return gp;
+  return 1;
+}
+
+struct NoScratch {};
+
+static void run_all(Problem& P, ffi::ThreadPool& pool) {
+  P.Gp = packed_heads(P);
+  // Few rows per group (decoding) is bound by reading K and V: an item then takes every kv
+  // head, so each cache row is read whole, in order, rather than in 4 KiB-strided runs.
+  const int64_t nr = P.Gp * std::min(P.bq, P.Sq);
+  P.Gi = (P.Hm == 1 && nr <= 64) ? P.Hq / P.Gp : 1;
+  const int64_t base = P.B * (P.Hq / (P.Gp * P.Gi)) * ((P.Sq + P.bq - 1) / P.bq);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // Few items (a decode step): split each tile list into shares, so every thread has several
+  // to take; the shares are merged by their row maxima.
+  P.nsplit = 1;
+  if (base < 4 * threads) P.nsplit = std::max<int64_t>(1, std::min<int64_t>((4 * threads + base - 1) / base,
+                                                                            (P.wp + P.wf + 1) / 2));
+  const int64_t items = base * P.nsplit;
+  std::unique_ptr<WorkLease> work;
+  if (P.nsplit > 1) {
+    P.part_stride = ((nr + 15) / 16 * 16) * (P.Dv + 2);
+    work = std::make_unique<WorkLease>((size_t)(items * P.Gi * P.part_stride));
+    P.part = work->data();
+  }
   run_parallel<Scratch>(pool, items, items, [&P](int64_t i, int64_t, Scratch& w) { run_item(P, i, w); });
+  if (P.nsplit > 1)
+    run_parallel<NoScratch>(pool, base, base, [&P](int64_t i, int64_t, NoScratch&) { merge_item(P, i); });
 }
 
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -546,7 +727,8 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::S32> fkv_num, ffi::Buffer<ffi::S32> fkv_idx, ffi::RemainingArgs consts,
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                           ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
-                          int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t n_score_consts) {
+                          int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t score_packed,
+                          int64_t mask_packed, int64_t n_score_consts) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = kv_idx.dimensions(),
        fi = fkv_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
@@ -577,6 +759,8 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   P.scale = scale;
   P.score_fn = reinterpret_cast<ModFn>(score_fn);
   P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
+  P.score_packed = reinterpret_cast<PackedFn>(score_packed);
+  P.mask_packed = reinterpret_cast<PackedFn>(mask_packed);
   std::vector<const void*> arrays(consts.size());
   for (size_t i = 0; i < consts.size(); ++i) {
     auto a = consts.get<ffi::AnyBuffer>(i);
@@ -612,6 +796,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Attr<int64_t>("kv_len")
                                   .Attr<int64_t>("score_fn")
                                   .Attr<int64_t>("mask_fn")
+                                  .Attr<int64_t>("score_packed")
+                                  .Attr<int64_t>("mask_packed")
                                   .Attr<int64_t>("n_score_consts"));
 
 // ---------------------------------------------------------------------------------------
@@ -857,8 +1043,6 @@ static void bwd_prepass(const BwdProblem& P, int64_t item) {
       std::fill(doT + d * P.Sqp + (P.Sq + 15) / 16 * 16, doT + (d + 1) * P.Sqp, 0.0f);
   }
 }
-
-struct NoScratch {};
 
 static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> dout,
