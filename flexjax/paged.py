@@ -339,6 +339,19 @@ def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, l
         o = pallas._resolve(spec, q.shape[-1], q.dtype)
         return pallas_decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists, o,
                                                     pallas._mods(spec, o), page_table=page_table)
+    from .backends import cpu
+
+    B, kv_len = q.shape[0], spec.kv_len
+    k_like = jax.ShapeDtypeStruct((B, kv_len) + k_pages.shape[2:], k_pages.dtype)
+    v_like = jax.ShapeDtypeStruct((B, kv_len) + v_pages.shape[2:], v_pages.dtype)
+    if cpu.reason(spec, q, k_like, v_like, score_consts, mask_consts, None) is None:
+        # The C++ kernel reads each tile from its page (AVX-512 CPUs with a C++ compiler).
+        return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
+                                 _xla_paged_forward)
+    return _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists)
+
+
+def _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
     from .backends import _decode
 
     return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists,

@@ -31,10 +31,26 @@ def _alibi(slopes):
     return lambda s, b, h, q_idx, kv_idx: s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
 
 
-@pytest.mark.parametrize("sq", [1, pytest.param(4, marks=pytest.mark.slow)])
-def test_paged_matches_gathered_cache(sq):
+def _no_cpu_kernel(monkeypatch):
+    from flexjax.backends import cpu
+
+    monkeypatch.setattr(cpu, "reason", lambda *a, **k: "switched off by the test")
+
+
+@pytest.mark.parametrize("sq,xla_path", [(1, "kernel"), (1, "xla_ops"),
+                                         pytest.param(4, "kernel", marks=pytest.mark.slow),
+                                         pytest.param(4, "xla_ops", marks=pytest.mark.slow)])
+def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
     """Random page table, ragged lengths, GQA, a sliding window and ALiBi in logical
-    positions: forward, lse and the gradients of q, the pools and the slopes."""
+    positions: forward, lse and the gradients of q, the pools and the slopes. The xla
+    backend's forward is the C++ kernel reading pages in place where it runs ("kernel"),
+    or its XLA decode path ("xla_ops")."""
+    from flexjax.backends import cpu
+
+    if xla_path == "xla_ops":
+        _no_cpu_kernel(monkeypatch)
+    elif not cpu.usable():
+        pytest.skip("no AVX-512 CPU or no C++ compiler")
     lengths, table, k_pages, v_pages, q, do, slopes = _setup(sq)
     # Queries sit at the end of each sequence (bottom-right), window 64 in logical positions.
     def window(b, h, q_idx, kv_idx):
@@ -57,8 +73,13 @@ def test_paged_matches_gathered_cache(sq):
 
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
     (_, truth), g_truth = grad(ref_loss)(q, k_pages, v_pages, slopes)
-    (_, got), g_got = grad(functools.partial(paged_loss, backend="xla"))(q, k_pages, v_pages, slopes)
-    assert_close("paged xla", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
+    xla_grad = grad(functools.partial(paged_loss, backend="xla"))
+    hlo = xla_grad.lower(q, k_pages, v_pages, slopes).as_text()
+    assert ("flexjax_cpu_forward" in hlo) == (xla_path == "kernel")
+    (_, got), g_got = xla_grad(q, k_pages, v_pages, slopes)
+    assert_close(f"paged xla ({xla_path})", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
+    if xla_path == "xla_ops":
+        return
     # pallas: gradients in the slow case (the backward is pallas' usual one on the
     # gathered cache), the forward here.
     if sq == 1:

@@ -260,7 +260,7 @@ def _vjp_address(mod, consts) -> int:
 
 
 # The primitive's leading operands per direction; the 8 tile lists and the captured arrays follow.
-_LEAD = {"fwd": 3, "bwd": 9}
+_LEAD = {"fwd": 3, "paged": 4, "bwd": 9}
 
 
 def _bind(direction, spec, lead, score_consts, mask_consts, lists, loops):
@@ -282,6 +282,16 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists, loops):
     mask_consts, lists)``, the xla backend's own forward, which gives the same result.
     """
     out, lse, row_max, log_sum = _bind("fwd", spec, (q, k, v), score_consts, mask_consts, lists, loops)
+    return out, lse, (row_max, log_sum)
+
+
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, loops):
+    """``forward`` over paged pools (num_pages, page_size, Hkv, D) and a page table (B,
+    max_pages): the kernel reads each tile from its page in place. ``loops(spec, q, k_pages,
+    v_pages, page_table, score_consts, mask_consts, lists)`` is the XLA version (for export).
+    """
+    lead = (q, k_pages, v_pages, jnp.asarray(page_table, jnp.int32))
+    out, lse, row_max, log_sum = _bind("paged", spec, lead, score_consts, mask_consts, lists, loops)
     return out, lse, (row_max, log_sum)
 
 
@@ -312,14 +322,19 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
                  block_kv=np.int64(spec.block_size[1]), kv_len=np.int64(spec.kv_len),
                  score_fn=np.int64(_mod_address(spec.score, score_consts)),
                  mask_fn=np.int64(_mod_address(spec.mask, mask_consts)), n_score_consts=np.int64(n_score))
-    if direction == "fwd":
+    if direction in ("fwd", "paged"):
         outs = (jax.ShapeDtypeStruct((B, Sq, Hq, v.shape[-1]), jnp.float32),
                 jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
                 jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
         call = jax.ffi.ffi_call(_TARGET, outs)
         packed = dict(score_packed=np.int64(_packed_address(spec.score, score_consts)),
                       mask_packed=np.int64(_packed_address(spec.mask, mask_consts)))
-        out, m, l = call(_f32(q), _f32(k), _f32(v), *lists[:4], *score_consts, *mask_consts, **attrs, **packed)
+        if direction == "paged":
+            page_table, page_size = lead[3], np.int64(k.shape[1])
+        else:
+            page_table, page_size = jnp.zeros((1, 1), jnp.int32), np.int64(0)
+        out, m, l = call(_f32(q), _f32(k), _f32(v), page_table, *lists[:4], *score_consts, *mask_consts, **attrs,
+                         **packed, page_size=page_size)
         lse, row_max, log_sum = row_stats(m, l)
         return out.astype(q.dtype), lse, row_max, log_sum
     out, _, dout, dlse, row_max, log_sum = lead[3:]
@@ -338,7 +353,7 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
 
 def _loops_impl(*args, direction, spec, n_score, n_mask, loops):
     lead, lists, score_consts, mask_consts = _split(args, direction, n_score)
-    if direction == "fwd":
+    if direction in ("fwd", "paged"):
         out, lse, (row_max, log_sum) = loops(spec, *lead, score_consts, mask_consts, lists)
         return out, lse, row_max, log_sum
     q, k, v, out, lse, dout, dlse, row_max, log_sum = lead

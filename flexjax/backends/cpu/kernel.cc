@@ -427,6 +427,10 @@ struct Problem {
   // read together, row by row, as the cache lies in memory) over split s of nsplit
   // contiguous shares of their tile list.
   int64_t Gp, Gi, nsplit;
+  // Paged K/V (page_size > 0): k and v are pools (num_pages, page_size, Hkv, D) and kv row
+  // kv0 of batch b lies in page page_table[b, kv0 / page_size] (a tile never spans pages).
+  const int32_t* page_table;
+  int64_t page_size, max_pages, num_pages;
   float* part;  // nsplit > 1: per item and group, the unnormalized rows, row maxima, row sums
   int64_t part_stride;
 };
@@ -498,6 +502,16 @@ static void qk_dot(const float* K, int64_t ks, const float* Q, int D, int nr, fl
   }
 }
 
+// The row of k and v (in units of Hkv * D floats) holding batch b's kv position kv0.
+static inline int64_t kv_base(const Problem& P, int64_t b, int64_t kv0) {
+  if (P.page_size == 0) return b * P.Skv + kv0;
+  // Pages past a sequence's length may hold anything: indices are clamped into the pool
+  // (those tiles' keys are masked by the lengths).
+  const int64_t logical = std::min<int64_t>(kv0 / P.page_size, P.max_pages - 1);
+  const int64_t page = std::min<int64_t>(std::max<int32_t>(P.page_table[b * P.max_pages + logical], 0), P.num_pages - 1);
+  return page * P.page_size + kv0 % P.page_size;
+}
+
 // One tile of one head group: masks, scores, the online softmax and O += P V.
 static void group_tile(const Problem& P, const ItemRows& R, GroupState& gs, Scratch& w, bool partial, int kv0,
                        int nc) {
@@ -506,8 +520,9 @@ static void group_tile(const Problem& P, const ItemRows& R, GroupState& gs, Scra
   const bool packed = P.Gp > 1;
   const int D = (int)P.D, Dv = (int)P.Dv;
   const int64_t ks = P.Hkv * P.D, vs = P.Hkv * P.Dv;
-  const float* K = P.k + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.D;
-  const float* V = P.v + ((b * P.Skv + kv0) * P.Hkv + hkv) * P.Dv;
+  const int64_t kv_row = kv_base(P, b, kv0);
+  const float* K = P.k + (kv_row * P.Hkv + hkv) * P.D;
+  const float* V = P.v + (kv_row * P.Hkv + hkv) * P.Dv;
   int* lo = w.lo.data();
   int* hi = w.hi.data();
   float* M = w.mask.data();
@@ -723,12 +738,12 @@ static void run_all(Problem& P, ffi::ThreadPool& pool) {
 }
 
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
                           ffi::Buffer<ffi::S32> fkv_num, ffi::Buffer<ffi::S32> fkv_idx, ffi::RemainingArgs consts,
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                           ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
                           int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t score_packed,
-                          int64_t mask_packed, int64_t n_score_consts) {
+                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = kv_idx.dimensions(),
        fi = fkv_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
@@ -756,6 +771,12 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   P.bq = block_q;
   P.bkv = block_kv;
   P.kv_len = kv_len;
+  P.page_table = page_table.typed_data();
+  P.page_size = page_size;
+  P.max_pages = page_table.dimensions()[1];
+  P.num_pages = kd[0];
+  if (page_size > 0 && (page_size % block_kv || page_table.dimensions()[0] != qd[0]))
+    return ffi::Error::InvalidArgument("flexjax cpu kernel: bad page table");
   P.scale = scale;
   P.score_fn = reinterpret_cast<ModFn>(score_fn);
   P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
@@ -786,6 +807,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -798,6 +820,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Attr<int64_t>("mask_fn")
                                   .Attr<int64_t>("score_packed")
                                   .Attr<int64_t>("mask_packed")
+                                  .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("n_score_consts"));
 
 // ---------------------------------------------------------------------------------------
