@@ -85,7 +85,11 @@ def _once(call) -> float:
     return S.measure(call, jax.block_until_ready, warmup=0, min_runs=1, max_runs=1, min_time=0.0)["median_ms"]
 
 
-def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int) -> dict:
+# The buffer read before each timed call to empty the caches (see ``run``).
+FLUSH_BYTES = 1 << 30
+
+
+def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: bool = True) -> dict:
     B, L, Hq, Hkv, D = spec.B, spec.L, spec.Hq, spec.Hkv, spec.D
     dt = jnp.dtype(spec.dtype)
     ks = jax.random.split(jax.random.key(0), 3)
@@ -131,13 +135,19 @@ def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int) -> dict:
         calls["paged"] = lambda: flex_paged(q, k_pages, v_pages, table, pos)
     # Interleaved runs (the machine is shared and its load drifts): each round times the
     # bandwidth probe and every implementation once, in an order rotated every round (what
-    # runs right after the dense call is slower); medians over the rounds.
+    # runs right after the dense call is slower); medians over the rounds. With `flush`,
+    # every timed call starts from a cold cache (a reduction over a buffer larger than the
+    # last-level cache runs first): a decode step reads its layer's cache from memory, and
+    # a 4k cache would otherwise stay in a large L3 between back-to-back calls.
+    flusher = bandwidth_probe(FLUSH_BYTES)[0] if flush else None
     for call in calls.values():
         jax.block_until_ready(call())
     times = {name: [] for name in calls}
     names = list(calls)
     for r in range(runs):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            if flusher is not None:
+                jax.block_until_ready(flusher())
             times[name].append(_once(calls[name]))
     for name, ts in times.items():
         rec[f"{name}_ms"] = float(np.median(ts))
@@ -153,6 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median)")
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-paged", action="store_true")
+    p.add_argument("--no-flush", action="store_true", help="time calls back to back, caches warm")
     args = p.parse_args(argv)
     specs = [s for s in SPECS if (args.lengths is None or s.L in args.lengths)
              and (args.dtypes is None or s.dtype in args.dtypes) and (args.masks is None or s.mask in args.masks)]
@@ -161,7 +172,8 @@ def main(argv=None) -> int:
           "paged/contig |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in specs:
-        rec = run(spec, dense=not args.no_dense, paged_too=not args.no_paged, runs=args.runs)
+        rec = run(spec, dense=not args.no_dense, paged_too=not args.no_paged, runs=args.runs,
+                  flush=not args.no_flush)
         bw = rec["bandwidth"]
         rate = spec.kv_bytes() / (rec["flex_ms"] / 1e3)
         dense = f"{rec['dense_ms']:.1f} | {rec['dense_ms'] / rec['flex_ms']:.1f}x" if "dense_ms" in rec else "- | -"
