@@ -8,6 +8,8 @@ with the reference backend, as tests/test_xla.py does for the XLA loops.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -296,3 +298,27 @@ def test_decode_splits_the_kv_range():
         want = flexjax.flex_attention(q1, k[:1], v[:1], backend="reference", block_mask=flexjax.create_block_mask(
             masks.causal_with_offset(pos), None, None, 1, 2048, block_size=64))
         assert_close(f"step {pos}", step(q1, k[:1], v[:1], jnp.int32(pos)), want, want, jnp.float32)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+def test_kernel_stays_out_of_calls_xla_partitions():
+    """XLA's partitioner cannot split an FFI call (it would gather q, k and v onto every
+    device): head-sharded arrays on Auto axes, with and without a mesh set, take the XLA
+    path, with nothing but the loss gathered; one device takes the kernel."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("m",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    q, k, v, _ = inputs((1, 128, 128, 4, 4, 16, 16), jnp.float32)
+    bm = flexjax.create_block_mask(masks.causal, None, None, 128, 128, block_size=32)
+    f = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, mods.soft_cap(5.0), bm))
+    assert "flexjax_cpu_forward" in f.lower(q, k, v).compile().as_text()
+    want = f(q, k, v)
+    sharded = [jax.device_put(x, NamedSharding(mesh, P(None, None, "m", None))) for x in (q, k, v)]
+    for set_mesh in (False, True):
+        with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+            g = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, mods.soft_cap(5.0), bm))
+            text = g.lower(*sharded).compile().as_text()
+            got = g(*sharded)
+        assert "flexjax_cpu_forward" not in text and "all-gather" not in text, set_mesh
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)

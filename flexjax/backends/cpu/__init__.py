@@ -194,6 +194,9 @@ def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None
         return "kernel_options cpu_kernel=False"
     if any(spec.options.get(f) for f in ("block_q", "block_kv")):
         return "explicit forward tiles in kernel_options"
+    why = _mesh_reason()
+    if why is not None:
+        return why
     from .._decode import DECODE_MAX_Q  # a decode step's cost must follow the tiles it reads
 
     if q.shape[1] <= DECODE_MAX_Q and (k.dtype != jnp.float32 or v.dtype != jnp.float32):
@@ -215,6 +218,9 @@ def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropo
         return "explicit backward tiles in kernel_options"
     if any(grad_consts):
         return "gradients of the score_mod's captured arrays"
+    why = _mesh_reason()
+    if why is not None:
+        return why
     if q.shape[-1] % 16:
         return "the head dim is not a multiple of 16"
     why = _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed)
@@ -227,6 +233,23 @@ def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropo
             _warn_once(f"flexjax: a score_mod VJP's C++ did not compile, the xla backend runs its XLA loops: {e}")
             return str(e)
     return why
+
+
+def _mesh_reason() -> str | None:
+    """Why the mesh in scope keeps the kernel out: Auto axes, over which q, k and v may be
+    sharded without their types saying so, and XLA's partitioner cannot split an FFI call
+    (it would gather them onto every device). Inside a ``shard_map`` each device runs its
+    own call, and on Explicit axes flexjax runs sharded arrays in its own ``shard_map``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if getattr(mesh, "empty", True):
+        return None
+    kinds = tuple(getattr(mesh, "axis_types", ()) or ())
+    manual, auto = (getattr(jax.sharding.AxisType, n, None) for n in ("Manual", "Auto"))
+    if manual in kinds:
+        return None
+    if any(size > 1 and kind == auto for size, kind in zip(mesh.axis_sizes, kinds)):
+        return "a mesh with Auto axes (XLA's partitioner cannot split the kernel's FFI call)"
+    return None
 
 
 def _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None:
@@ -369,10 +392,32 @@ def _abstract_eval(*avals, direction, spec, n_score, n_mask, loops):
     B, Sq, Hq, _ = q.shape
     stat = jax.core.ShapedArray((B, Hq, Sq), jnp.float32)
     return [jax.core.ShapedArray((B, Sq, Hq, v.shape[-1]), q.dtype), stat, stat, stat]
+def _partitioned_by_xla(ctx) -> bool:
+    """Whether XLA's partitioner may have to split this call over devices, which it cannot
+    do for an FFI call (it would gather q, k and v onto every device): a computation over
+    several devices whose operands are not all known to be replicated. Inside a
+    ``shard_map`` each device runs its own call; on Explicit axes the operands' types give
+    their shardings. (For sharded arrays under a jit with no mesh set, which ``reason``
+    cannot see.)"""
+    ac = ctx.module_context.axis_context
+    if hasattr(ac, "manual_axes") or getattr(ac, "num_devices", 1) <= 1:  # shard_map, or one device
+        return False
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    for aval in ctx.avals_in:
+        sharding = getattr(aval, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or getattr(mesh, "empty", True) or any(t != explicit for t in mesh.axis_types):
+            return True
+        if any(s is not None for s in sharding.spec):
+            return True
+    return False
+
+
 def _lowering(ctx, *args, **params):
     lp = ctx.module_context.lowering_parameters
     on_cpu = tuple(ctx.module_context.platforms) == ("cpu",)
-    impl = _kernel_impl if on_cpu and not getattr(lp, "for_export", False) else _loops_impl
+    kernel = on_cpu and not getattr(lp, "for_export", False) and not _partitioned_by_xla(ctx)
+    impl = _kernel_impl if kernel else _loops_impl
     return mlir.lower_fun(functools.partial(impl, **params), multiple_results=True)(ctx, *args)
 
 
