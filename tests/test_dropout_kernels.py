@@ -128,7 +128,8 @@ def check(backend, name, kernel_options=None, shape=SHAPE, block_size=64, dtype=
 
 
 @pytest.mark.parametrize("name, options", [
-    pytest.param("causal+relative_bias", None, id="causal+relative_bias-gpu"),
+    # The GPU template's dropout is also checked through flex_attention in test_training_features.
+    pytest.param("causal+relative_bias", None, id="causal+relative_bias-gpu", marks=pytest.mark.slow),
     pytest.param("causal+relative_bias", TPU_INTERPRET, id="causal+relative_bias-tpu"),
     # The plain mask is covered by the table entry's tiles; `make test-all` runs it alone too.
     pytest.param("causal", None, id="causal-gpu", marks=pytest.mark.slow),

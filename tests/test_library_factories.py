@@ -149,10 +149,10 @@ def _lists(bm):
     "make,value",
     [
         (lambda x: masks.sliding_window(x), 20),
-        (lambda x: masks.sliding_window(3, x), 40),
+        pytest.param(lambda x: masks.sliding_window(3, x), 40, marks=pytest.mark.slow),
         (lambda x: masks.prefix_lm(x), 70),
-        (lambda x: masks.causal_with_offset(x), -10),
-        (lambda x: masks.causal_bottom_right(x, 128), 30),
+        pytest.param(lambda x: masks.causal_with_offset(x), -10, marks=pytest.mark.slow),
+        pytest.param(lambda x: masks.causal_bottom_right(x, 128), 30, marks=pytest.mark.slow),
         (lambda x: masks.causal_bottom_right(1, x), 90),
     ],
     ids=["sliding_window_left", "sliding_window_right", "prefix_lm", "causal_with_offset",

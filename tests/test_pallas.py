@@ -38,7 +38,8 @@ def test_catalog_all_shapes(name, shape):
     _check(name, shape)
 
 
-@pytest.mark.parametrize("name,shape", [("document+t5", "mqa_ragged"), ("causal+soft_cap", "mha")])
+@pytest.mark.parametrize("name,shape", [pytest.param("document+t5", "mqa_ragged", marks=pytest.mark.slow),
+                                        ("causal+soft_cap", "mha")])
 def test_catalog_heads(name, shape):
     _check(name, shape)
 

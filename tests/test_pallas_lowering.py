@@ -70,16 +70,23 @@ def _tpu_mesh():
     return AbstractMesh((1,), ("x",), abstract_device=device)
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd_bwd"])
-@pytest.mark.parametrize("name", [c.name for c in CATALOG])
+def _lowering_grid(target_index):
+    """(name, grad) for every catalog entry; the default suite lowers each entry once per
+    target, forward and backward on alternate targets (``make test-all``: all of them;
+    ``make test-compile`` compiles every kernel)."""
+    return [pytest.param(c.name, grad, id=f"{c.name}-{'fwd_bwd' if grad else 'fwd'}",
+                         marks=() if (n + target_index) % 2 == int(grad) else pytest.mark.slow)
+            for n, c in enumerate(CATALOG) for grad in (False, True)]
+
+
+@pytest.mark.parametrize("name,grad", _lowering_grid(0))
 def test_cuda_lowering(name, grad):
     text = _lower(name, "cuda", grad)
     # Forward: one kernel; with the backward also the dQ and dK/dV kernels.
     assert text.count(TRITON_CALL) == (3 if grad else 1)
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd_bwd"])
-@pytest.mark.parametrize("name", [c.name for c in CATALOG])
+@pytest.mark.parametrize("name,grad", _lowering_grid(1))
 def test_tpu_lowering(name, grad):
     mesh = _tpu_mesh()
     with jax.sharding.use_abstract_mesh(mesh):

@@ -350,8 +350,12 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
                 jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32),
                 jax.ShapeDtypeStruct((B, Hq, Sq), jnp.float32))
         call = jax.ffi.ffi_call(_TARGET, outs)
-        packed = dict(score_packed=np.int64(_packed_address(spec.score, score_consts)),
-                      mask_packed=np.int64(_packed_address(spec.mask, mask_consts)))
+        # The mods' packed variants (several query heads in one tile's rows), built only where
+        # the kernel can pack: GQA, lists shared by every head, at most 64 rows per head.
+        G, Hm = Hq // k.shape[2], lists[0].shape[1]
+        can_pack = G > 1 and Hm == 1 and min(spec.block_size[0], Sq) <= 64
+        packed = dict(score_packed=np.int64(_packed_address(spec.score, score_consts) if can_pack else 0),
+                      mask_packed=np.int64(_packed_address(spec.mask, mask_consts) if can_pack else 0))
         if direction == "paged":
             page_table, page_size = lead[3], np.int64(k.shape[1])
         else:
