@@ -130,7 +130,9 @@ def check(backend, name, kernel_options=None, shape=SHAPE, block_size=64, dtype=
 @pytest.mark.parametrize("name, options", [
     # The GPU template's dropout is also checked through flex_attention in test_training_features.
     pytest.param("causal+relative_bias", None, id="causal+relative_bias-gpu", marks=pytest.mark.slow),
-    pytest.param("causal+relative_bias", TPU_INTERPRET, id="causal+relative_bias-tpu"),
+    # The TPU template's dropout: lowered in the default suite (test_dropout_lowers), run here
+    # under `make test-all`.
+    pytest.param("causal+relative_bias", TPU_INTERPRET, id="causal+relative_bias-tpu", marks=pytest.mark.slow),
     # The plain mask is covered by the table entry's tiles; `make test-all` runs it alone too.
     pytest.param("causal", None, id="causal-gpu", marks=pytest.mark.slow),
     pytest.param("causal", TPU_INTERPRET, id="causal-tpu", marks=pytest.mark.slow),

@@ -252,7 +252,8 @@ def score_cases(sq, skv):
 
 def grid_cases(cases_fn):
     """(case id, sq, skv) for every case defined on every grid shape."""
-    return [(c[0], sq, skv) for sq, skv in SHAPES for c in cases_fn(sq, skv)]
+    return [pytest.param(c[0], sq, skv, marks=() if n == 0 else pytest.mark.slow)
+            for n, (sq, skv) in enumerate(SHAPES) for c in cases_fn(sq, skv)]
 
 
 # ----------------------------------------------------------------------------------

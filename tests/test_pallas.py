@@ -18,8 +18,7 @@ import flexjax
 
 TPU_INTERPRET = {"target": "tpu", "interpret": True}
 # What the default run covers; the rest of the catalog runs with -m slow.
-FAST = ("causal+soft_cap", "sliding_window+alibi", "prefix_lm+relative_bias", "document+t5",
-        "per_head_mask+relative_bias")
+FAST = ("causal+soft_cap", "sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
 
 
 def _check(name, shape="gqa_unequal", dtype=jnp.float32, kernel_options=None, block_size=64):

@@ -163,14 +163,14 @@ def test_dropout_matches_dense_with_its_mask(rate):
         return (f(q, k, v, table) ** 2).sum()
 
     flex = lambda q, k, v, t: _flex(q, k, v, t, {"backend": "xla"}, dropout_rate=rate, dropout_rng=rng)  # noqa: E731
-    dense = lambda q, k, v, t: _dense(q, k, v, t, keep=keep, rate=rate)[0]  # noqa: E731
+    dense = jax.jit(lambda q, k, v, t: _dense(q, k, v, t, keep=keep, rate=rate)[0])
     out = flex(q, k, v, table)
     assert np.isfinite(np.asarray(out)).all()
     _close(out, dense(q, k, v, table))
     out_lse = _flex(q, k, v, table, {"backend": "xla"}, dropout_rate=rate, dropout_rng=rng, return_lse=True)[1]
-    _close(out_lse, _dense(q, k, v, table)[1])  # lse of the undropped probabilities
+    _close(out_lse, jax.jit(_dense)(q, k, v, table)[1])  # lse of the undropped probabilities
     grads = jax.grad(functools.partial(loss, flex), argnums=(0, 1, 2, 3))(q, k, v, table)
-    grads_r = jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2, 3))(q, k, v, table)
+    grads_r = jax.jit(jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2, 3)))(q, k, v, table)
     for g, g_r in zip(grads, grads_r):
         assert np.isfinite(np.asarray(g)).all()
         _close(g, g_r, 1e-4)
@@ -245,7 +245,7 @@ def test_jvp_matches_dense(backend_kw):
     primals = (q, k, v, table, sinks)
     tangents = tuple(jax.random.normal(key, x.shape) for key, x in zip(jax.random.split(jax.random.key(9), 5), primals))
     flex = lambda q, k, v, t, s: _flex(q, k, v, t, backend_kw, sinks=s, return_lse=True)  # noqa: E731
-    dense = lambda q, k, v, t, s: _dense(q, k, v, t, sinks=s)[:2]  # noqa: E731
+    dense = jax.jit(lambda q, k, v, t, s: _dense(q, k, v, t, sinks=s)[:2])
     (out, lse), (t_out, t_lse) = jax.jvp(flex, primals, tangents)
     (out_r, lse_r), (t_out_r, t_lse_r) = jax.jvp(dense, primals, tangents)
     _close(out, out_r)
@@ -267,7 +267,7 @@ def _dropout_case():
     rng = jax.random.key(11)
     keep = flexjax.dropout_mask(rng, 0.2, B, HQ, S, S)
     flex = lambda q, t: _flex(q, k, v, t, {"backend": "xla"}, dropout_rate=0.2, dropout_rng=rng)  # noqa: E731
-    dense = lambda q, t: _dense(q, k, v, t, keep=keep, rate=0.2)[0]  # noqa: E731
+    dense = jax.jit(lambda q, t: _dense(q, k, v, t, keep=keep, rate=0.2)[0])
     return q, table, flex, dense
 
 
