@@ -117,6 +117,32 @@ def usable() -> bool:
     return True
 
 
+def _precompiled_header(cxx: str, header: str, out_dir: Path) -> Path | None:
+    """A directory holding vec.h and its precompiled ``vec.h.gch`` (built once per header,
+    compiler and flags), or None where the compiler cannot make one (the mods then parse
+    vec.h themselves, with the same result)."""
+    flags = [f for f in _FLAGS if f != "-shared"]
+    digest = hashlib.sha256("\n".join([header, cxx, _compiler_id(cxx), " ".join(flags)]).encode()).hexdigest()[:24]
+    final = out_dir / f"pch-{digest}"
+    if (final / "vec.h.gch").exists():
+        return final
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir))
+    try:
+        (tmp / "vec.h").write_text(header)
+        res = subprocess.run([cxx, *flags, "-x", "c++-header", str(tmp / "vec.h"), "-o", str(tmp / "vec.h.gch")],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            return None
+        try:
+            os.rename(tmp, final)  # atomic; another process may have renamed its own first
+        except OSError:
+            pass
+        return final if (final / "vec.h.gch").exists() else None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _build(source: str, name: str) -> Path:
     """Compiles ``source`` into a shared library (cached by a digest of source, compiler and flags)."""
     cxx = _compiler()
@@ -129,11 +155,15 @@ def _build(source: str, name: str) -> Path:
     if out.exists():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A generated mod is small: most of its compile is parsing vec.h's intrinsics header,
+    # which a precompiled header saves (0.08 s a mod instead of 0.3 s, here).
+    pch = _precompiled_header(cxx, header, out_dir) if name == "mod" else None
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         src = Path(tmp) / f"{name}.cc"
         src.write_text(source)
         lib = Path(tmp) / f"{name}.so"
-        cmd = [cxx, *_FLAGS, f"-I{_HERE}", f"-I{include}", str(src), "-o", str(lib)]
+        first = [f"-I{pch}"] if pch is not None else []
+        cmd = [cxx, *_FLAGS, *first, f"-I{_HERE}", f"-I{include}", str(src), "-o", str(lib)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
