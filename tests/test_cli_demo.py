@@ -23,9 +23,11 @@ def test_demo_small():
     assert "demo passed" in out
 
 
-@pytest.mark.parametrize("name,extra", [("causal", []), ("sliding_window", ["--window", "64"]),
-                                        ("prefix_lm", []), ("document", ["--docs", "3"]),
-                                        ("chunked_causal", ["--chunk", "128"])])
+@pytest.mark.parametrize("name,extra", [("causal", []),
+                                        pytest.param("sliding_window", ["--window", "64"], marks=pytest.mark.slow),
+                                        pytest.param("prefix_lm", [], marks=pytest.mark.slow),
+                                        ("document", ["--docs", "3"]),
+                                        pytest.param("chunked_causal", ["--chunk", "128"], marks=pytest.mark.slow)])
 def test_show_mask(name, extra):
     r = _run("show-mask", name, "--seq", "512", "--block", "64", *extra)
     assert r.returncode == 0, r.stdout + r.stderr

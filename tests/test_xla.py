@@ -47,7 +47,9 @@ _GRID = [(c.name, s) for c in CATALOG for s in SHAPES]
 # Default: every case once, on the shapes in turn; `make test-all` runs the whole grid.
 # ("full" and "causal" are covered by the API tests and the other cases' tiles; the three
 # table-reading cases by test_catalog_default_tiles and test_catalog_low_precision.)
-_COVERED = ("full", "causal", "prefix_lm+relative_bias", "document+t5", "per_head_mask+relative_bias")
+# "neg_inf_score" and "causal_bottom_right_cache" also run in test_cpu_kernel / test_decode.
+_COVERED = ("full", "causal", "prefix_lm+relative_bias", "document+t5", "per_head_mask+relative_bias",
+            "neg_inf_score", "causal_bottom_right_cache")
 
 
 @pytest.mark.parametrize("name,shape", sweep(_GRID, [p for p in rotating_shapes() if p[0] not in _COVERED],
