@@ -15,8 +15,13 @@ both cores splitting the (batch, head, q block) rows through XLA's own thread po
 The xla backend uses the forward kernel when ``usable()`` holds and the call fits
 (``reason()`` is None), and the backward kernel when ``backward_reason()`` is None (it
 returns dq, dk and dv, so gradients of captured arrays go to the loops); otherwise it
-runs its own loops, which give the same result. The forward-mode tangent stays the xla
-backend's.
+runs its own loops (or, for few queries, its XLA decode path), which give the same
+result. The forward also serves decode steps (GQA heads packed into a tile's rows, each
+mod's packed variant reading ``h`` and ``q_idx`` per lane, the kv tiles split into shares
+when there are few items) and ``flexjax.paged`` (``paged_forward``: tiles read from their
+pages in place). Where XLA's partitioner would have to split the call (Auto mesh axes,
+sharded arrays under a multi-device jit) the XLA versions run: it cannot split an FFI
+call. The forward-mode tangent stays the xla backend's.
 ``FLEXJAX_CPU_KERNEL=0`` (or ``kernel_options={"cpu_kernel": False}``) turns it off.
 """
 
