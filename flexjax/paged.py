@@ -310,9 +310,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         from .backends import pallas
         from .backends.pallas import _decode as pallas_decode
 
-        k_like = jax.ShapeDtypeStruct((B, kv_len) + k_pages.shape[2:], k_pages.dtype)
-        v_like = jax.ShapeDtypeStruct((B, kv_len) + v_pages.shape[2:], v_pages.dtype)
-        reason = pallas.unsupported_reason(spec, query, k_like, v_like)
+        reason = pallas.unsupported_reason(spec, query, *_logical_like(B, kv_len, k_pages, v_pages))
         if reason is not None:
             raise NotImplementedError(f"backend 'pallas' cannot serve this paged call: {reason}")
         if not pallas_decode.serves(spec, query, pallas._resolve(spec, D, query.dtype)):
@@ -321,6 +319,12 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
                                       f"{jax.default_backend()}; pass backend='xla'")
     out, lse = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
     return (out, lse) if return_lse else out
+
+
+def _logical_like(B: int, kv_len: int, k_pages, v_pages):
+    """Shapes of the contiguous (B, kv_len, Hkv, D) cache the pools stand for (for the
+    backends' checks)."""
+    return tuple(jax.ShapeDtypeStruct((B, kv_len) + x.shape[2:], x.dtype) for x in (k_pages, v_pages))
 
 
 def _float0_like(x):
@@ -341,9 +345,7 @@ def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, l
                                                     pallas._mods(spec, o), page_table=page_table)
     from .backends import cpu
 
-    B, kv_len = q.shape[0], spec.kv_len
-    k_like = jax.ShapeDtypeStruct((B, kv_len) + k_pages.shape[2:], k_pages.dtype)
-    v_like = jax.ShapeDtypeStruct((B, kv_len) + v_pages.shape[2:], v_pages.dtype)
+    k_like, v_like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages)
     if cpu.reason(spec, q, k_like, v_like, score_consts, mask_consts, None) is None:
         # The C++ kernel reads each tile from its page (AVX-512 CPUs with a C++ compiler).
         return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,

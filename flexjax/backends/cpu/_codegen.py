@@ -463,9 +463,14 @@ def generate(mod: StaticMod, const_avals: tuple, packed: bool = False) -> Genera
       NotImplementedError: naming the first primitive, dtype or read without a translation.
     """
     key = (mod, tuple((a.shape, _dtype_name(a)) for a in const_avals), packed)
+    return _cached(key, lambda: _generate(mod, const_avals, packed))
+
+
+def _cached(key, make) -> GeneratedMod:
+    """``make()`` once per key; a NotImplementedError is cached and raised again."""
     if key not in _CACHE:
         try:
-            _CACHE[key] = _generate(mod, const_avals, packed)
+            _CACHE[key] = make()
         except NotImplementedError as e:
             _CACHE[key] = e
     got = _CACHE[key]
@@ -493,29 +498,24 @@ def generate_vjp(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
     is wanted).
     """
     key = ("vjp", mod, tuple((a.shape, _dtype_name(a)) for a in const_avals))
-    if key not in _CACHE:
-        try:
-            n = mod.num_consts
 
-            def f(*args):
-                consts, (score, b, h, q, kv, ct) = args[:n], args[n:]
-                _, pull = jax.vjp(lambda s_: mod(consts, s_, b, h, q, kv), score)
-                return pull(ct)[0]
+    def make():
+        n = mod.num_consts
 
-            scal = jax.ShapeDtypeStruct
-            closed = jax.make_jaxpr(f)(*const_avals, scal((), jnp.float32), *(scal((), jnp.int32),) * 4,
-                                       scal((), jnp.float32))
-            jaxpr, consts = _open(closed)
-            if consts or jaxpr.constvars:
-                raise NotImplementedError(f"the cpu kernel cannot take constants inside the VJP of mod {mod.name!r}")
-            vmod = _VjpMod("vjp", mod.name, jaxpr, n, f"vjp:{mod.key}")
-            _CACHE[key] = _generate(vmod, const_avals)
-        except NotImplementedError as e:
-            _CACHE[key] = e
-    got = _CACHE[key]
-    if isinstance(got, Exception):
-        raise got
-    return got
+        def f(*args):
+            consts, (score, b, h, q, kv, ct) = args[:n], args[n:]
+            _, pull = jax.vjp(lambda s_: mod(consts, s_, b, h, q, kv), score)
+            return pull(ct)[0]
+
+        scal = jax.ShapeDtypeStruct
+        closed = jax.make_jaxpr(f)(*const_avals, scal((), jnp.float32), *(scal((), jnp.int32),) * 4,
+                                   scal((), jnp.float32))
+        jaxpr, consts = _open(closed)
+        if consts or jaxpr.constvars:
+            raise NotImplementedError(f"the cpu kernel cannot take constants inside the VJP of mod {mod.name!r}")
+        return _generate(_VjpMod("vjp", mod.name, jaxpr, n, f"vjp:{mod.key}"), const_avals)
+
+    return _cached(key, make)
 
 
 def _generate(mod, const_avals: tuple, packed: bool = False) -> GeneratedMod:

@@ -46,16 +46,8 @@ static inline v16 vexp_le0(v16 x) {
 #if defined(__AVX512F__)
   const v16 lo = fj_f(-87.33654022216797f);
   v16 xc = x < lo ? lo : x;
-  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16 r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16 p = fj_f(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
+  v16 n;
+  const v16 p = fj_exp_parts(xc, &n);
   v16 y = (v16)_mm512_scalef_ps((__m512)p, (__m512)n);
   return x < lo ? fj_f(0.0f) : y;
 #else
@@ -616,25 +608,27 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   for (int64_t j = 0; j < P.Gi; ++j) {
     GroupState& gs = w.grp[j];
     const int64_t hq = R0.hq0 + j * P.Gp;
-    gs.qt.assign((size_t)D * nrp, 0.0f);
     gs.o.assign((size_t)nrp * Dv, 0.0f);
     gs.m.assign(nrp, -FLT_MAX);
     gs.l.assign(nrp, 0.0f);
-    float* Qt = gs.qt.data();
-    if (P.Gp == 1 && D % 16 == 0) {
-      transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, Qt, nrp, P.scale);
-    } else {
-      for (int r = 0; r < nr; ++r) {
-        const float* qr = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
-        for (int d = 0; d < D; ++d) Qt[(int64_t)d * nrp + r] = qr[d] * P.scale;
-      }
-    }
+    // Tiles of one 16-lane group take the dot-form product on the query rows (qr); the
+    // others the lane-broadcast product on their transpose (qt). Each is built only if used.
     gs.qr.clear();
+    gs.qt.clear();
     if (nrp == 16 && D % 16 == 0) {
       gs.qr.resize((size_t)nr * D);
       for (int r = 0; r < nr; ++r) {
         const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
         for (int d = 0; d < D; ++d) gs.qr[(size_t)r * D + d] = qrow[d] * P.scale;
+      }
+    } else if (P.Gp == 1 && D % 16 == 0) {
+      gs.qt.resize((size_t)D * nrp);  // transpose_rows writes every lane (zero past nr)
+      transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, gs.qt.data(), nrp, P.scale);
+    } else {
+      gs.qt.assign((size_t)D * nrp, 0.0f);
+      for (int r = 0; r < nr; ++r) {
+        const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
+        for (int d = 0; d < D; ++d) gs.qt[(int64_t)d * nrp + r] = qrow[d] * P.scale;
       }
     }
     if (P.Gp > 1) {  // each lane's head and query position (padding lanes repeat the last row)
@@ -737,6 +731,17 @@ static void run_all(Problem& P, ffi::ThreadPool& pool) {
     run_parallel<NoScratch>(pool, base, base, [&P](int64_t i, int64_t, NoScratch&) { merge_item(P, i); });
 }
 
+// The mods' captured arrays (the call's remaining operands), as the pointers they read.
+static bool captured_arrays(const ffi::RemainingArgs& consts, std::vector<const void*>& arrays) {
+  arrays.resize(consts.size());
+  for (size_t i = 0; i < consts.size(); ++i) {
+    auto a = consts.get<ffi::AnyBuffer>(i);
+    if (!a.has_value()) return false;
+    arrays[i] = a->untyped_data();
+  }
+  return true;
+}
+
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
                           ffi::Buffer<ffi::S32> fkv_num, ffi::Buffer<ffi::S32> fkv_idx, ffi::RemainingArgs consts,
@@ -782,12 +787,8 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
   P.score_packed = reinterpret_cast<PackedFn>(score_packed);
   P.mask_packed = reinterpret_cast<PackedFn>(mask_packed);
-  std::vector<const void*> arrays(consts.size());
-  for (size_t i = 0; i < consts.size(); ++i) {
-    auto a = consts.get<ffi::AnyBuffer>(i);
-    if (!a.has_value()) return ffi::Error::InvalidArgument("flexjax cpu kernel: bad captured array");
-    arrays[i] = a->untyped_data();
-  }
+  std::vector<const void*> arrays;
+  if (!captured_arrays(consts, arrays)) return ffi::Error::InvalidArgument("flexjax cpu kernel: bad captured array");
   P.score_arrays = arrays.data();
   P.mask_arrays = arrays.data() + n_score_consts;
   P.out = out->typed_data();
@@ -1112,12 +1113,8 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   P.score_fn = reinterpret_cast<ModFn>(score_fn);
   P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
   P.vjp_fn = reinterpret_cast<VjpFn>(vjp_fn);
-  std::vector<const void*> arrays(consts.size());
-  for (size_t i = 0; i < consts.size(); ++i) {
-    auto a = consts.get<ffi::AnyBuffer>(i);
-    if (!a.has_value()) return ffi::Error::InvalidArgument("flexjax cpu kernel: bad captured array");
-    arrays[i] = a->untyped_data();
-  }
+  std::vector<const void*> arrays;
+  if (!captured_arrays(consts, arrays)) return ffi::Error::InvalidArgument("flexjax cpu kernel: bad captured array");
   P.score_arrays = arrays.data();
   P.mask_arrays = arrays.data() + n_score_consts;
   P.dk = dk->typed_data();
