@@ -9,6 +9,7 @@ with the reference backend, as tests/test_xla.py does for the XLA loops.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -297,6 +298,54 @@ def test_decode_splits_the_kv_range():
         want = flexjax.flex_attention(q1, k[:1], v[:1], backend="reference", block_mask=flexjax.create_block_mask(
             masks.causal_with_offset(pos), None, None, 1, 2048, block_size=64))
         assert_close(f"step {pos}", step(q1, k[:1], v[:1], jnp.int32(pos)), want, want, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype,sq", [(jnp.bfloat16, 1), (jnp.float16, 1), (jnp.bfloat16, 17),
+                                      pytest.param(jnp.float16, 17, marks=pytest.mark.slow)])
+def test_decode_reads_16bit_caches_in_place(dtype, sq):
+    """bfloat16 and float16 caches: the forward kernel reads them as they are (no float32 copy
+    of the cache in the program), widening each tile's rows exactly; packed heads (Sq=1: the
+    dot-form product; Sq=17: the widened lane-broadcast one), ragged lengths, per-head and
+    per-query mods, split shares (B=1) and several kv heads per item; forward and lse
+    against the reference on the same 16-bit inputs, and the gradients."""
+    q, k, v, do, mask, score = _decode_case(1, sq, 8, 2, 32, 700, [650], seed=2)
+    q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
+    bm = flexjax.create_block_mask(mask, 1, None, sq, 700, block_size=(32, 64))
+
+    def loss(q, k, v, backend):
+        out, lse = flexjax.flex_attention(q, k, v, score, bm, return_lse=True, backend=backend)
+        return jnp.sum(out.astype(jnp.float32) * do), (out, lse)
+
+    fwd = jax.jit(lambda q, k, v: loss(q, k, v, "xla"))
+    hlo = fwd.lower(q, k, v).compile().as_text()
+    assert "flexjax_cpu_forward" in hlo, "the C++ kernel did not run"
+    assert "f32[1,700,2,32]" not in hlo, "the forward converted the cache to float32 whole"
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (_, got_aux), got = run(q, k, v, "xla")
+    (_, want_aux), want = run(q, k, v, "reference")
+    assert_close(f"{jnp.dtype(dtype).name} decode sq={sq}", (got_aux, got), (want_aux, want), (want_aux, want),
+                 dtype)
+
+
+def test_paged_decode_over_bfloat16_pools():
+    """flexjax.paged over bfloat16 pools: the kernel reads the pages in place, as for float32."""
+    lengths = np.array([300, 45])
+    table = jnp.asarray(flexjax.paged.page_table_for(lengths, 64, 6, num_pages=14, seed=3))
+    ks = jax.random.split(jax.random.key(3), 3)
+    k_pages, v_pages = (jax.random.normal(kk, (14, 64, 2, 32), jnp.bfloat16) for kk in ks[:2])
+    q = jax.random.normal(ks[2], (2, 1, 8, 32), jnp.bfloat16)
+    lens = jnp.asarray(lengths, jnp.int32)
+    bm = flexjax.create_block_mask(masks.causal_bottom_right(1, lens), 2, None, 1, 384, block_size=(16, 64))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(backend, q, k_pages, v_pages):
+        return flexjax.paged.flex_attention(q, k_pages, v_pages, table, lens, block_mask=bm, backend=backend)
+
+    hlo = step.lower("xla", q, k_pages, v_pages).compile().as_text()
+    assert "flexjax_cpu_forward" in hlo and "f32[14,64,2,32]" not in hlo
+    want = flexjax.flex_attention(q, *(p[table].reshape(2, 384, 2, 32) for p in (k_pages, v_pages)), block_mask=bm,
+                                  backend="reference")
+    assert_close("paged bf16", step("xla", q, k_pages, v_pages), want, want, jnp.bfloat16)
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")

@@ -18,7 +18,9 @@ returns dq, dk and dv, so gradients of captured arrays go to the loops); otherwi
 runs its own loops (or, for few queries, its XLA decode path), which give the same
 result. The forward also serves decode steps (GQA heads packed into a tile's rows, each
 mod's packed variant reading ``h`` and ``q_idx`` per lane, the kv tiles split into shares
-when there are few items) and ``flexjax.paged`` (``paged_forward``: tiles read from their
+when there are few items, the cache read row after row for all kv heads with software
+prefetch; bfloat16 and float16 caches are read as they are, each row widened exactly to
+float32 as it is loaded) and ``flexjax.paged`` (``paged_forward``: tiles read from their
 pages in place). Where XLA's partitioner would have to split the call (Auto mesh axes,
 sharded arrays under a multi-device jit) the XLA versions run: it cannot split an FFI
 call. The forward-mode tangent stays the xla backend's.
@@ -232,13 +234,25 @@ def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None
     why = _mesh_reason()
     if why is not None:
         return why
-    from .._decode import DECODE_MAX_Q  # a decode step's cost must follow the tiles it reads
-
-    if q.shape[1] <= DECODE_MAX_Q and (k.dtype != jnp.float32 or v.dtype != jnp.float32):
-        # The kernel reads float32: a 16-bit cache would be converted whole at every step,
-        # O(capacity), where the XLA decode path upcasts only the tiles it reads.
-        return "a decode step over a 16-bit cache"
+    if _decode_step(q) and not _native_kv(q, k, v) and (k.dtype != jnp.float32 or v.dtype != jnp.float32):
+        # A 16-bit cache the kernel cannot read as it is would be converted whole at every
+        # step, O(capacity), where the XLA decode path upcasts only the tiles it reads.
+        return "a decode step over 16-bit caches of different dtypes or a head dim not a multiple of 16"
     return _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed)
+
+
+def _decode_step(q) -> bool:
+    from .._decode import DECODE_MAX_Q
+
+    return q.shape[1] <= DECODE_MAX_Q
+
+
+def _native_kv(q, k, v) -> bool:
+    """Whether the forward reads k and v in their own 16-bit dtype (each tile's rows widened to
+    float32 as they are read; exact). For decode steps, whose cost is reading the cache: a
+    longer query reads each tile many times, and XLA widens the whole of k and v once."""
+    return (_decode_step(q) and k.dtype == v.dtype and k.dtype in (jnp.bfloat16, jnp.float16)
+            and q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0)
 
 
 def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed) -> str | None:
@@ -395,7 +409,8 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
             page_table, page_size = lead[3], np.int64(k.shape[1])
         else:
             page_table, page_size = jnp.zeros((1, 1), jnp.int32), np.int64(0)
-        out, m, l = call(_f32(q), _f32(k), _f32(v), page_table, *lists[:4], *score_consts, *mask_consts, **attrs,
+        kv = (k, v) if _native_kv(q, k, v) else (_f32(k), _f32(v))
+        out, m, l = call(_f32(q), *kv, page_table, *lists[:4], *score_consts, *mask_consts, **attrs,
                          **packed, page_size=page_size)
         lse, row_max, log_sum = row_stats(m, l)
         return out.astype(q.dtype), lse, row_max, log_sum
