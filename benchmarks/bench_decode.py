@@ -134,21 +134,28 @@ def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: boo
         rec["paged_max_err"] = float(jnp.abs(out.astype(jnp.float32) - got.astype(jnp.float32)).max())
         calls["paged"] = lambda: flex_paged(q, k_pages, v_pages, table, pos)
     # Interleaved runs (the machine is shared and its load drifts): each round times the
-    # bandwidth probe and every implementation once, in an order rotated every round (what
-    # runs right after the dense call is slower); medians over the rounds. With `flush`,
+    # bandwidth probe and every flexjax call once, in an order rotated every round; medians
+    # over the rounds. With `flush`,
     # every timed call starts from a cold cache (a reduction over a buffer larger than the
     # last-level cache runs first): a decode step reads its layer's cache from memory, and
     # a 4k cache would otherwise stay in a large L3 between back-to-back calls.
     flusher = bandwidth_probe(FLUSH_BYTES)[0] if flush else None
+    # The dense call's rounds come after all the others': the call timed after a dense one
+    # ran slower (a float32 window step at 64k: 31.9 against 8.5 ms), and a rotation keeps
+    # the same neighbours every round.
     for call in calls.values():
         jax.block_until_ready(call())
     times = {name: [] for name in calls}
-    names = list(calls)
+    names = [n for n in calls if n != "dense"]
     for r in range(runs):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if flusher is not None:
                 jax.block_until_ready(flusher())
             times[name].append(_once(calls[name]))
+    for _ in range(runs if "dense" in calls else 0):
+        if flusher is not None:
+            jax.block_until_ready(flusher())
+        times["dense"].append(_once(calls["dense"]))
     for name, ts in times.items():
         rec[f"{name}_ms"] = float(np.median(ts))
     rec["bandwidth"] = probe_bytes / (rec["bandwidth_ms"] / 1e3)
