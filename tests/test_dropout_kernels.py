@@ -158,6 +158,7 @@ def test_dropout_tiles_agree():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # `make test-all`; test_training_features checks rate 0 bitwise through flex_attention
 def test_rate_zero_is_the_plain_kernel():
     """Rate 0 ignores the seed and traces no hash: bitwise the kernels without dropout."""
     make, q, k, v, do, dlse, sc, mc, lists = case("causal+relative_bias")

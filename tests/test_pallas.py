@@ -58,7 +58,7 @@ def test_catalog_low_precision(name, dtype):
 # T5 reads its table along kv_idx - q_idx: a diagonal value on TPU (relative bias at 128-aligned
 # tiles is in test_pallas_tpu_diagonal.py; the whole catalog in the slow test below).
 @pytest.mark.parametrize("name", ["sliding_window+alibi", pytest.param("padding", marks=pytest.mark.slow),
-                                  "document+t5"])
+                                  pytest.param("document+t5", marks=pytest.mark.slow)])
 def test_catalog_tpu_template(name):
     _check(name, kernel_options=TPU_INTERPRET)
 

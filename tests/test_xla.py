@@ -47,9 +47,11 @@ _GRID = [(c.name, s) for c in CATALOG for s in SHAPES]
 # Default: every case once, on the shapes in turn; `make test-all` runs the whole grid.
 # ("full" and "causal" are covered by the API tests and the other cases' tiles; the three
 # table-reading cases by test_catalog_default_tiles and test_catalog_low_precision.)
-# "neg_inf_score" and "causal_bottom_right_cache" also run in test_cpu_kernel / test_decode.
+# "neg_inf_score" and "causal_bottom_right_cache" also run in test_cpu_kernel / test_decode;
+# "causal+soft_cap" in test_catalog_low_precision, "chunked_causal" (a block-diagonal mask,
+# as "document") in `make test-all`.
 _COVERED = ("full", "causal", "prefix_lm+relative_bias", "document+t5", "per_head_mask+relative_bias",
-            "neg_inf_score", "causal_bottom_right_cache")
+            "neg_inf_score", "causal_bottom_right_cache", "causal+soft_cap", "chunked_causal")
 
 
 @pytest.mark.parametrize("name,shape", sweep(_GRID, [p for p in rotating_shapes() if p[0] not in _COVERED],
@@ -76,6 +78,7 @@ def test_catalog_low_precision(name, dtype):
     _check(BY_NAME[name], SHAPES["gqa_unequal"], {"bf16": jnp.bfloat16, "f16": jnp.float16}[dtype], SMALL_TILES)
 
 
+@pytest.mark.slow  # `make test-all` (the default suite's budget); bitwise checks in other files stay
 def test_deterministic():
     case = BY_NAME["per_head_mask+relative_bias"]
     a = _run(case, SHAPES["mha"], jnp.float32, "xla", SMALL_TILES)
