@@ -170,7 +170,8 @@ static inline void pv_block(const float* P, int ldP, const typename E::T* V, int
                             int ldo, int r0, int v0, const float* alpha, int ahead, int c_lim) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = fj_ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j) * alpha[r0 + i];
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] = alpha ? fj_ld(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j) * alpha[r0 + i] : fj_f(0.0f);
   for (int c = c_lo; c < c_hi; ++c) {
     v16 vv[NV];
     const typename E::T* vr = V + (int64_t)c * vs + v0;
@@ -198,7 +199,8 @@ static void pv_rows(const float* P, int ldP, const typename E::T* V, int64_t vs,
 }
 
 // O rows [r_lo, r_hi) = alpha O + P^T V over kv rows [c_lo, c_hi) (alpha: the rows' softmax rescale).
-// (O's rows are ldo floats apart; Dv of them are updated. V's rows: E elements, vs apart.
+// (O's rows are ldo floats apart; Dv of them are updated, or written, O's old rows unread,
+// where alpha is null. V's rows: E elements, vs apart.
 // ahead > 0: each V row read prefetches the one `ahead` rows on, below c_lim.)
 template <class E = F32>
 static void pv_range(const float* P, int ldP, const typename E::T* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
@@ -551,7 +553,7 @@ static inline void write_row(const Problem& P, const ItemRows& R, int64_t r, con
   const int64_t h = R.hq0 + r / R.nq, qi = R.q0 + r % R.nq;
   const float inv = 1.0f / (l > 0.0f ? l : 1.0f);
   float* orow = P.out + ((R.b * P.Sq + qi) * P.Hq + h) * P.Dv;
-  for (int64_t d = 0; d < P.Dv; ++d) orow[d] = o[d] * inv;
+  for (int64_t d = 0; d < P.Dv; d += 16) fj_st(orow + d, fj_ld(o + d) * inv);  // (Dv: a multiple of 16)
   P.m_out[(R.b * P.Hq + h) * P.Sq + qi] = m;
   P.l_out[(R.b * P.Hq + h) * P.Sq + qi] = l;
 }
@@ -1244,19 +1246,22 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
         }
         tn_tile(dP, nrp, Q, qs, rlo, rhi, w.dk.data(), D, nc);           // dK += dS^T Q (scaled below)
         float* dQ = P.dq[thread] + ((b * P.Sq + q0) * P.Hq + hq) * P.D;
+        // The thread's first write to this dQ tile overwrites it (alpha null: its old rows,
+        // garbage, are not read); rows no group writes are zeroed then.
         uint8_t& seen = P.written[thread][(b * P.Hq + hq) * P.nqb + idx[t]];
-        if (!seen) {
-          for (int r = 0; r < nr; ++r) std::memset(dQ + (int64_t)r * qs, 0, sizeof(float) * D);
-          seen = 1;
-        }
+        const float* add = seen ? w.ones.data() : nullptr;
         if (masked) {                                                      // dQ += dS K (scaled below)
-          for (int gr = 0; gr < ng; ++gr)
+          for (int gr = 0; gr < ng; ++gr) {
+            const int r1 = std::min(16 * gr + 16, nr);
             if (lo[gr] < hi[gr])
-              pv_range(dP, nrp, K, ks, lo[gr], hi[gr], dQ, (int)qs, D, 16 * gr, std::min(16 * gr + 16, nr),
-                       w.ones.data());
+              pv_range(dP, nrp, K, ks, lo[gr], hi[gr], dQ, (int)qs, D, 16 * gr, r1, add);
+            else if (!seen)
+              for (int r = 16 * gr; r < r1; ++r) std::memset(dQ + (int64_t)r * qs, 0, sizeof(float) * D);
+          }
         } else {
-          pv_range(dP, nrp, K, ks, 0, nc, dQ, (int)qs, D, 0, nr, w.ones.data());
+          pv_range(dP, nrp, K, ks, 0, nc, dQ, (int)qs, D, 0, nr, add);
         }
+        seen = 1;
       }
     }
   }
