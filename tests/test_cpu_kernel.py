@@ -233,6 +233,21 @@ def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
     assert "flexjax_cpu_backward" not in _grad_hlo(BY_NAME["causal"], shape, kernel_options={"cpu_kernel": False})
 
 
+@pytest.mark.parametrize("prep", ["prepass", "per_tile"])
+def test_backward_prepares_q_do_and_delta_both_ways(prep, monkeypatch):
+    """The backward's transposed q and dO and its delta come from a prepass (many visits per q
+    tile) or from each visit (narrow bands, where the lists visit a q tile at most 4 times on
+    average): forward, lse and every gradient match the reference either way (ragged GQA,
+    a score_mod VJP, partial and full tiles)."""
+    monkeypatch.setattr(cpu, "_BWD_PREP", prep)
+    jax.clear_caches()
+    shape = (1, 150, 150, 4, 2, 16, 32)  # ragged, GQA; head dims the backward kernel takes
+    hlo = _grad_hlo(BY_NAME["sliding_window+alibi"], shape)
+    assert "flexjax_cpu_backward" in hlo
+    assert f"prep = {1 if prep == 'prepass' else 2} : i64" in hlo, "the backward did not take the mode asked for"
+    check_case("xla", "sliding_window+alibi", shape)
+
+
 def _decode_case(B, Sq, Hq, Hkv, D, Skv, lengths, seed=0):
     """Decode-shaped inputs and a per-head, per-query score_mod with a captured table (it reads
     h and q_idx, so packed tiles must give every lane its own head and position)."""

@@ -224,6 +224,10 @@ def _packed_address(mod, consts) -> int:
 
 _COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
+# How the backward kernel prepares q, dO and delta: "auto" (a prepass, or per visit where the
+# lists visit each q tile at most 4 times on average), "prepass" or "per_tile" (for tests).
+_BWD_PREP = "auto"
+
 
 def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None:
     """Why this forward cannot run in the kernel, or None when it can (builds the mods' C++)."""
@@ -423,8 +427,9 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
     # it reads (XLA's transposes and its rowsum dot cost more than the rest of a sparse
     # backward).
     dlse = jnp.broadcast_to(_f32(dlse), (B, Hq, Sq))
+    prep = np.int64({"auto": 0, "prepass": 1, "per_tile": 2}[_BWD_PREP])
     dq, dk, dv = call(_f32(q), _f32(k), _f32(v), _f32(out), _f32(dout), dlse, _f32(row_max), _f32(log_sum),
-                      *lists[4:], *score_consts, *mask_consts, vjp_fn=np.int64(vjp), **attrs)
+                      *lists[4:], *score_consts, *mask_consts, vjp_fn=np.int64(vjp), prep=prep, **attrs)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -1075,6 +1075,9 @@ struct BwdProblem {
   // powers of two), and delta (B, Hq, Sq).
   float *qT, *doT, *delta;
   int64_t Sqp;
+  // Few visits per q tile (narrow bands): each visit transposes its own q and dO tiles and
+  // forms its rows' delta instead (no prepass), from memory the band has just read.
+  bool tile_prep;
   const int32_t *q_num, *q_idx, *fq_num, *fq_idx;
   int64_t wp, wf, Bm, Hm, nKV;
   int64_t B, Sq, Hq, Skv, Hkv, D, Dv;
@@ -1094,9 +1097,20 @@ struct BwdProblem {
 };
 
 struct BwdScratch {
-  std::vector<float> s, s_raw, mask, dp, dk, dv, ones, mx, ls, de;
+  std::vector<float> s, s_raw, mask, dp, dk, dv, ones, mx, ls, de, qt, dot;  // qt, dot: tile_prep's
   std::vector<int> lo, hi, rlo, rhi;
 };
+
+// delta of query row qi of (b, hq): rowsum(dO * O) - dlse (a cotangent on lse adds P * dlse
+// to dS); dO points at the row.
+static inline float row_delta(const BwdProblem& P, const float* dO, int64_t b, int64_t hq, int64_t qi) {
+  const float* O = P.out + ((b * P.Sq + qi) * P.Hq + hq) * P.Dv;
+  v16 acc = fj_f(0.0f);
+  for (int64_t d = 0; d < P.Dv; d += 16) acc += fj_ld(dO + d) * fj_ld(O + d);
+  float sum = 0.0f;
+  for (int i = 0; i < 16; ++i) sum += acc[i];
+  return sum - P.dlse[(b * P.Hq + hq) * P.Sq + qi];
+}
 
 static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScratch& w) {
   const int64_t nkb = (P.kv_len + P.bkv - 1) / P.bkv;
@@ -1150,6 +1164,16 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
         const float* dO = P.dout + ((b * P.Sq + q0) * P.Hq + hq) * P.Dv;
         const float* Qt = P.qT + (b * P.Hq + hq) * P.D * P.Sqp + q0;
         const float* dOt = P.doT + (b * P.Hq + hq) * P.Dv * P.Sqp + q0;
+        int ldq = (int)P.Sqp;
+        if (P.tile_prep) {
+          w.qt.resize((size_t)D * nrp);
+          w.dot.resize((size_t)Dv * nrp);
+          transpose_rows(Q, qs, nr, D, w.qt.data(), nrp, P.scale);
+          transpose_rows(dO, dos, nr, Dv, w.dot.data(), nrp, 1.0f);
+          Qt = w.qt.data();
+          dOt = w.dot.data();
+          ldq = nrp;
+        }
         // As in the forward, a partial tile's 16-row groups each take the kv range [lo, hi) where
         // any of their rows is allowed; the transposed products then take, for each column,
         // the rows [rlo, rhi) of the groups whose range holds it. P and dS are zero elsewhere.
@@ -1184,7 +1208,7 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
             rhi[c] = nr;
           }
         }
-        qk_groups(K, ks, Qt, (int)P.Sqp, D, S, nrp, nc, lo, hi, [&](int r0, int width, int c_lo, int c_hi) {
+        qk_groups(K, ks, Qt, ldq, D, S, nrp, nc, lo, hi, [&](int r0, int width, int c_lo, int c_hi) {
           if (!P.score_fn) return;
           for (int c = c_lo; c < c_hi; ++c)
             std::memcpy(w.s_raw.data() + (int64_t)c * nrp + r0, S + (int64_t)c * nrp + r0, sizeof(float) * width);
@@ -1197,7 +1221,7 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
           const bool in = r < nr;
           mxp[r] = in ? P.row_max[stat + r] : 0.0f;
           lsp[r] = in ? P.log_sum[stat + r] : 0.0f;
-          dep[r] = in ? P.delta[stat + r] : 0.0f;
+          dep[r] = in ? (P.tile_prep ? row_delta(P, dO + (int64_t)r * dos, b, hq, q0 + r) : P.delta[stat + r]) : 0.0f;
         }
         vi16 lane;
         for (int l = 0; l < 16; ++l) lane[l] = l;
@@ -1217,7 +1241,7 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
           }
         }
         tn_tile(S, nrp, dO, dos, rlo, rhi, w.dv.data(), Dv, nc);          // dV += P^T dO
-        qk_groups(V, vs, dOt, (int)P.Sqp, Dv, dP, nrp, nc, lo, hi,
+        qk_groups(V, vs, dOt, ldq, Dv, dP, nrp, nc, lo, hi,
                   [](int, int, int, int) {});                               // dP^T = V dO^T
         for (int gr = 0; gr < ng; ++gr) {
           const int r = 16 * gr;
@@ -1283,19 +1307,12 @@ static void bwd_prepass(const BwdProblem& P, int64_t item) {
   const int64_t qs = P.Hq * P.D, dos = P.Hq * P.Dv;
   const float* Q = P.q + (b * P.Sq * P.Hq + hq) * P.D;
   const float* dO = P.dout + (b * P.Sq * P.Hq + hq) * P.Dv;
-  const float* O = P.out + (b * P.Sq * P.Hq + hq) * P.Dv;
   float* qT = P.qT + (b * P.Hq + hq) * P.D * P.Sqp;
   float* doT = P.doT + (b * P.Hq + hq) * P.Dv * P.Sqp;
   transpose_rows(Q + r0 * qs, qs, r1 - r0, P.D, qT + r0, P.Sqp, P.scale);
   transpose_rows(dO + r0 * dos, dos, r1 - r0, P.Dv, doT + r0, P.Sqp, 1.0f);
   const int64_t stat = (b * P.Hq + hq) * P.Sq;
-  for (int64_t r = r0; r < r1; ++r) {
-    v16 acc = fj_f(0.0f);
-    for (int64_t d = 0; d < P.Dv; d += 16) acc += fj_ld(dO + r * dos + d) * fj_ld(O + r * dos + d);
-    float sum = 0.0f;
-    for (int i = 0; i < 16; ++i) sum += acc[i];
-    P.delta[stat + r] = sum - P.dlse[stat + r];
-  }
+  for (int64_t r = r0; r < r1; ++r) P.delta[stat + r] = row_delta(P, dO + r * dos, b, hq, r);
   // The padded lanes past Sq (up to Sqp) are zero.
   if (r1 == P.Sq) {
     for (int64_t d = 0; d < P.D; ++d)
@@ -1305,6 +1322,10 @@ static void bwd_prepass(const BwdProblem& P, int64_t item) {
   }
 }
 
+// At most this many visits per q tile on average: per-visit transposes (a sliding window of
+// 256 at S=8192 in fwd+bwd: 147 -> 140 ms, its 10.7 ms prepass gone).
+static constexpr int64_t kTilePrepVisits = 4;
+
 static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> dout,
                            ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::F32> row_max, ffi::Buffer<ffi::F32> log_sum,
@@ -1312,7 +1333,7 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::S32> fq_idx, ffi::RemainingArgs consts, ffi::ResultBuffer<ffi::F32> dq,
                            ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
                            int64_t block_q, int64_t block_kv, int64_t kv_len, int64_t score_fn, int64_t mask_fn,
-                           int64_t vjp_fn, int64_t n_score_consts) {
+                           int64_t vjp_fn, int64_t prep, int64_t n_score_consts) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = q_idx.dimensions(),
        fi = fq_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
@@ -1366,8 +1387,15 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (P.B == 0 || P.Sq == 0 || P.Hq == 0) return ffi::Error::Success();
   const int64_t items = P.B * P.Hkv * ((P.kv_len + P.bkv - 1) / P.bkv);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items));
-  const size_t nqt = (size_t)P.B * P.Hq * P.D * P.Sqp, ndot = (size_t)P.B * P.Hq * P.Dv * P.Sqp,
-               nstat = (size_t)P.B * P.Hq * P.Sq;
+  // Visits per q tile, over the lists: a narrow band (a sliding window visits each q tile 3
+  // times, causal 16 times at S=4096) transposes per visit rather than in a prepass.
+  P.nqb = (P.Sq + P.bq - 1) / P.bq;
+  int64_t visits = 0;
+  for (int64_t r = 0; r < P.Bm * P.Hm * P.nKV; ++r) visits += P.q_num[r] + P.fq_num[r];
+  P.tile_prep = prep == 0 ? visits <= kTilePrepVisits * P.Bm * P.Hm * P.nqb : prep == 2;
+  const size_t nqt = P.tile_prep ? 0 : (size_t)P.B * P.Hq * P.D * P.Sqp,
+               ndot = P.tile_prep ? 0 : (size_t)P.B * P.Hq * P.Dv * P.Sqp,
+               nstat = P.tile_prep ? 0 : (size_t)P.B * P.Hq * P.Sq;
   // One lease: qT, doT, delta, then a dQ buffer for each thread but the first (which
   // accumulates into the output).
   WorkLease work(nqt + ndot + nstat + (size_t)(threads - 1) * nq);
@@ -1376,12 +1404,12 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   P.delta = P.doT + ndot;
   P.dq.push_back(dq->typed_data());
   for (int64_t t = 1; t < threads; ++t) P.dq.push_back(P.delta + nstat + (size_t)(t - 1) * nq);
-  P.nqb = (P.Sq + P.bq - 1) / P.bq;
   const int64_t units = P.B * P.Hq * P.nqb;
   std::vector<uint8_t> written((size_t)(threads * units), 0);
   for (int64_t t = 0; t < threads; ++t) P.written.push_back(written.data() + t * units);
   const int64_t pre = P.B * P.Hq * ((P.Sq + 127) / 128);
-  run_parallel<NoScratch>(pool, pre, pre, [&P](int64_t i, int64_t, NoScratch&) { bwd_prepass(P, i); });
+  if (!P.tile_prep)
+    run_parallel<NoScratch>(pool, pre, pre, [&P](int64_t i, int64_t, NoScratch&) { bwd_prepass(P, i); });
   if (items > 0) {
     run_parallel<BwdScratch>(pool, items, threads,
                              [&P](int64_t i, int64_t t, BwdScratch& w) { bwd_item(P, i, t, w); });
@@ -1429,4 +1457,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuBackward, Backward,
                                   .Attr<int64_t>("score_fn")
                                   .Attr<int64_t>("mask_fn")
                                   .Attr<int64_t>("vjp_fn")
+                                  .Attr<int64_t>("prep")
                                   .Attr<int64_t>("n_score_consts"));
