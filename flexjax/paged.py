@@ -233,7 +233,7 @@ def _with_lengths(bm: BlockMask, kv_lengths, B: int):
 
 
 def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *,
-                   scale=None, return_lse: bool = False, backend: str | None = None,
+                   scale=None, return_lse: bool = False, return_aux=None, sinks=None, backend: str | None = None,
                    kernel_options: dict | None = None):
     """``flexjax.flex_attention`` over a paged KV cache, reading pages through the table.
 
@@ -251,14 +251,19 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
       score_mod, block_mask, scale, return_lse: as in ``flexjax.flex_attention``; the
         block mask is built for ``(Sq, max_pages * page_size)`` and its kv block must
         divide ``page_size``.
+      return_aux: an ``AuxRequest`` for ``(out, AuxOutput)``, as in
+        ``flexjax.flex_attention``; ``lse`` only (the paged kernels do not form
+        ``max_scores``: that raises ``NotImplementedError``).
+      sinks: attention sinks, float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``
+        (logits joining every row's normalizer; ``jax.grad`` reaches them).
       backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
         ``Sq <= 64``; interpret mode on CPU).
       kernel_options: the pallas backend's (e.g. ``{"target": "cuda"}``), with backend="pallas".
 
     Returns:
-      (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``.
+      (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``, or ``(out, AuxOutput)``.
     """
-    from ._api import AttentionSpec, _check_block_mask, _check_qkv
+    from ._api import AttentionSpec, AuxRequest, _check_block_mask, _check_qkv, _check_sinks, _results
     from .backends._common import acc_dtype
 
     if backend not in (None, "xla", "pallas"):
@@ -271,7 +276,19 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         raise ValueError("k_pages and v_pages must be (num_pages, page_size, kv_heads, head_dim) with the same "
                          f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
                          f"{getattr(v_pages, 'shape', None)}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_aux is not None:
+        if not isinstance(return_aux, AuxRequest):
+            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
+        if return_lse:
+            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+        if return_aux.max_scores:
+            raise NotImplementedError("flexjax.paged.flex_attention does not form max_scores (its kernels return "
+                                      "out and lse); use AuxRequest(lse=True), or flexjax.flex_attention on "
+                                      "flexjax.paged.gather(k_pages, page_table)")
     B, Sq, Hq, D = query.shape
+    sinks = _check_sinks(sinks, Hq)
     ps = k_pages.shape[1]
     pt = _int_array("page_table", page_table, "(B, max_pages)")
     if pt.ndim != 2 or pt.shape[0] != B:
@@ -318,7 +335,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
                                       f"template (interpret mode on CPU), got Sq={Sq} on "
                                       f"{jax.default_backend()}; pass backend='xla'")
     out, lse = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
-    return (out, lse) if return_lse else out
+    return _results(out, lse, None, sinks, return_lse, return_aux)
 
 
 def _logical_like(B: int, kv_len: int, k_pages, v_pages):

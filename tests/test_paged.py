@@ -90,6 +90,38 @@ def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
         assert_close("paged pallas", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
 
 
+def test_sinks_and_aux_lse():
+    """Attention sinks and AuxRequest(lse=True) through the page table: forward, lse and the
+    gradients of q, the pools and the sinks equal flex_attention on the gathered cache;
+    max_scores is refused with a clear error."""
+    lengths, table, k_pages, v_pages, q, do, _ = _setup(1, seed=2)
+    sinks = jnp.linspace(-1.0, 1.0, HQ)
+    bm = flexjax.create_block_mask(masks.causal_bottom_right(1, lengths), B, None, 1, KV_LEN, block_size=(16, 32))
+
+    def paged_loss(q, k_pages, v_pages, sinks):
+        out, aux = paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=sinks,
+                                        return_aux=flexjax.AuxRequest(lse=True))
+        return jnp.sum(out * do) + 0.1 * jnp.sum(aux.lse), (out, aux.lse)
+
+    def ref_loss(q, k_pages, v_pages, sinks):
+        full = flexjax.create_block_mask(flexjax.and_masks(masks.causal_bottom_right(1, lengths),
+                                                           masks.padding(lengths)), B, None, 1, KV_LEN,
+                                         block_size=(16, 32))
+        out, lse = flexjax.flex_attention(q, paged.gather(k_pages, table), paged.gather(v_pages, table),
+                                          block_mask=full, sinks=sinks, return_lse=True, backend="reference")
+        return jnp.sum(out * do) + 0.1 * jnp.sum(lse), (out, lse)
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa: E731
+    (_, want), g_want = grad(ref_loss)(q, k_pages, v_pages, sinks)
+    (_, got), g_got = grad(paged_loss)(q, k_pages, v_pages, sinks)
+    assert_close("paged sinks", (got, g_got), (want, g_want), (want, g_want), jnp.float32)
+    with pytest.raises(NotImplementedError, match="max_scores"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm,
+                             return_aux=flexjax.AuxRequest(max_scores=True))
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=jnp.zeros(HQ + 1))
+
+
 def test_write():
     """write() puts new tokens where the gathered logical cache has them."""
     lengths, table, k_pages, v_pages, _, _, _ = _setup(1, seed=1)
