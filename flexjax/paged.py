@@ -241,7 +241,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     contiguous with ``KV_LEN = max_pages * page_size``; the result equals
     ``flexjax.flex_attention`` on ``gather(k_pages, page_table)`` with keys at or past
     ``kv_lengths[b]`` masked. Only the pages of non-empty tiles are read (tiles past a
-    sequence's length are skipped at run time); the backward gathers the logical cache.
+    sequence's length are skipped at run time); the backward and the forward-mode tangent
+    (``jax.jvp``) gather the logical cache.
 
     Args:
       query: (B, Sq, Hq, D).
@@ -344,14 +345,6 @@ def _logical_like(B: int, kv_len: int, k_pages, v_pages):
     return tuple(jax.ShapeDtypeStruct((B, kv_len) + x.shape[2:], x.dtype) for x in (k_pages, v_pages))
 
 
-def _float0_like(x):
-    return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def _ct(x, d):
-    return d.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else _float0_like(x)
-
-
 def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
     if name == "pallas":
         from .backends import pallas
@@ -377,37 +370,68 @@ def _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask
                                           page_table=page_table)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+# Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
+# linear map whose transpose is the backend's hand-written backward. Both run on the logical
+# cache gathered through the page table (decode is mostly inference); ``jax.jvp`` runs the
+# xla backend's blockwise tangent pass, ``jax.grad`` only the backward.
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
     out, lse, _ = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
     return out, lse
 
 
-def _paged_fwd(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-    out, lse, res = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
-    return (out, lse), (q, k_pages, v_pages, score_consts, mask_consts, lists, page_table, out, lse, res)
-
-
-def _paged_bwd(name, spec, saved, cts):
+def _paged_jvp(name, spec, primals, tangents):
+    from ._linear import linear_apply
     from .backends import get_backend
+    from .backends import xla as xla_backend
 
-    q, k_pages, v_pages, score_consts, mask_consts, lists, page_table, out, lse, res = saved
-    dout, dlse = cts
-    # The backward is the backend's own on the logical cache (decode is mostly inference).
-    k, v = gather(k_pages, page_table), gather(v_pages, page_table)
-    wants = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in score_consts)
-    dq, dk, dv, dscore = get_backend(name).backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts,
-                                                    lists, wants, res)
+    q, k_pages, v_pages, score_consts, mask_consts, lists, page_table = primals
+    t_q, t_kp, t_vp, t_consts = tangents[:4]
+    impl = get_backend(name)
+    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
+                                         page_table)
+    row_max, log_sum = impl.row_stats(lse, residuals)
+    live = lambda t: not isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
+    has_qkv = tuple(live(t) for t in (t_q, t_kp, t_vp))
+    has_c = tuple(live(t) and bool(jnp.issubdtype(c.dtype, jnp.inexact)) for t, c in zip(t_consts, score_consts))
+    lin = tuple(t for t, h in zip((t_q, t_kp, t_vp), has_qkv) if h) + tuple(
+        t for t, h in zip(t_consts, has_c) if h)
+    if not lin:
+        return (out, lse), (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype))
+    res = (q, k_pages, v_pages, out, lse, row_max, log_sum, score_consts, mask_consts, lists, page_table, residuals)
+    res_flat, res_tree = jax.tree.flatten(res)
     ps = k_pages.shape[1]
 
-    def scatter(pages, d):
-        d = d.reshape(d.shape[0], -1, ps, *d.shape[2:])
-        return jnp.zeros(pages.shape, d.dtype).at[page_table].add(d).astype(pages.dtype)
+    def split(lin_args):
+        it = iter(lin_args)
+        tq, tk, tv = (next(it) if h else None for h in has_qkv)
+        return tq, tk, tv, tuple(next(it) if h else None for h in has_c)
 
-    dscore = tuple(_ct(c, d) if d is not None else _ct(c, jnp.zeros_like(c)) for c, d in zip(score_consts, dscore))
-    return (dq.astype(q.dtype), scatter(k_pages, dk), scatter(v_pages, dv), dscore,
-            tuple(_ct(c, jnp.zeros_like(c)) for c in mask_consts), tuple(_float0_like(x) for x in lists),
-            _float0_like(page_table))
+    def tangent_map(*args):
+        q_, kp, vp, out_, _, rmax, lsum, sc, mc, ls, pt, _ = jax.tree.unflatten(res_tree, args[:len(res_flat)])
+        tq, tk, tv, tc = split(args[len(res_flat):])
+        tk, tv = (None if t is None else gather(t, pt) for t in (tk, tv))
+        t_out, t_lse = xla_backend.tangent(spec, q_, gather(kp, pt), gather(vp, pt), out_, rmax, lsum, sc, mc, ls,
+                                           tq, tk, tv, tc)
+        return t_out.astype(out_.dtype), t_lse.astype(lse.dtype)
+
+    def transpose_map(*args):
+        q_, kp, vp, out_, lse_, _, _, sc, mc, ls, pt, resid = jax.tree.unflatten(res_tree, args[:len(res_flat)])
+        dout, dlse = args[len(res_flat):]
+        dq, dk, dv, dscore = impl.backward(spec, q_, gather(kp, pt), gather(vp, pt), out_, lse_, dout, dlse, sc, mc,
+                                           ls, has_c, resid)
+
+        def scatter(pages, d):
+            d = d.reshape(d.shape[0], -1, ps, *d.shape[2:])
+            return jnp.zeros(pages.shape, d.dtype).at[pt].add(d).astype(pages.dtype)
+
+        cts = tuple(c for c, h in zip((dq.astype(q_.dtype), scatter(kp, dk), scatter(vp, dv)), has_qkv) if h)
+        return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)
+
+    out_avals = (jax.core.ShapedArray(out.shape, out.dtype), jax.core.ShapedArray(lse.shape, lse.dtype))
+    t_out, t_lse = linear_apply(tangent_map, transpose_map, tuple(res_flat), lin, out_avals)
+    return (out, lse), (t_out, t_lse)
 
 
-_paged.defvjp(_paged_fwd, _paged_bwd)
+_paged.defjvp(_paged_jvp, symbolic_zeros=True)
