@@ -7,10 +7,10 @@
 //
 // Layout: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv), out (B, Sq, Hq, Dv),
 // float32, read in place. The forward also reads bfloat16 and float16 k and v (decode
-// caches), converting each tile's rows to float32 as it reads them. A score tile is held transposed, St[c][r] (kv position c, query
-// row r), so that one query tile's rows are the vector lanes: the softmax's row max and
-// row sum are lane-wise, and only the (D, rows) query tile is ever transposed (once per
-// q block), never the keys.
+// caches), widening their rows to float32 (exactly) as it loads them. A score tile is held
+// transposed, St[c][r] (kv position c, query row r), so that one query tile's rows are the
+// vector lanes: the softmax's row max and row sum are lane-wise, and only the (D, rows)
+// query tile is ever transposed (once per q block), never the keys.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -971,7 +971,8 @@ static bool captured_arrays(const ffi::RemainingArgs& consts, std::vector<const 
   return true;
 }
 
-static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
+static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
                           ffi::Buffer<ffi::S32> fkv_num, ffi::Buffer<ffi::S32> fkv_idx, ffi::RemainingArgs consts,
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                           ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
