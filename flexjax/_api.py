@@ -202,6 +202,16 @@ def _check_sinks(sinks, Hq):
     return sinks
 
 
+def _check_outputs(return_lse, return_aux):
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_aux is not None:
+        if not isinstance(return_aux, AuxRequest):
+            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
+        if return_lse:
+            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+
+
 def _with_sinks(out, lse, sinks):
     """Output and lse with ``sinks`` joining every row's softmax normalizer (they add no value).
 
@@ -270,13 +280,7 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       or ``(out, AuxOutput)``.
     """
     _check_qkv(query, key, value)
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if return_aux is not None:
-        if not isinstance(return_aux, AuxRequest):
-            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
-        if return_lse:
-            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+    _check_outputs(return_lse, return_aux)
     rate = _dropout.check_rate(dropout_rate)
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
     B, Sq, Hq, D = query.shape

@@ -264,7 +264,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     Returns:
       (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``, or ``(out, AuxOutput)``.
     """
-    from ._api import AttentionSpec, AuxRequest, _check_block_mask, _check_qkv, _check_sinks, _results
+    from ._api import AttentionSpec, _check_block_mask, _check_outputs, _check_qkv, _check_sinks, _results
     from .backends._common import acc_dtype
 
     if backend not in (None, "xla", "pallas"):
@@ -277,17 +277,11 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         raise ValueError("k_pages and v_pages must be (num_pages, page_size, kv_heads, head_dim) with the same "
                          f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
                          f"{getattr(v_pages, 'shape', None)}")
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if return_aux is not None:
-        if not isinstance(return_aux, AuxRequest):
-            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
-        if return_lse:
-            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
-        if return_aux.max_scores:
-            raise NotImplementedError("flexjax.paged.flex_attention does not form max_scores (its kernels return "
-                                      "out and lse); use AuxRequest(lse=True), or flexjax.flex_attention on "
-                                      "flexjax.paged.gather(k_pages, page_table)")
+    _check_outputs(return_lse, return_aux)
+    if return_aux is not None and return_aux.max_scores:
+        raise NotImplementedError("flexjax.paged.flex_attention does not form max_scores (its kernels return "
+                                  "out and lse); use AuxRequest(lse=True), or flexjax.flex_attention on "
+                                  "flexjax.paged.gather(k_pages, page_table)")
     B, Sq, Hq, D = query.shape
     sinks = _check_sinks(sinks, Hq)
     ps = k_pages.shape[1]
