@@ -342,6 +342,28 @@ def test_decode_reads_16bit_caches_in_place(dtype, sq):
                  dtype)
 
 
+def test_16bit_caches_with_per_head_lists():
+    """Per-head block masks (one head per tile, no packing) over a bfloat16 cache, at Sq=3 (the
+    dot-form product) and Sq=40 (rows widened for the lane-broadcast one): the cache is read as
+    it is, and the forward matches the reference on the same inputs."""
+    B, L, Hq, Hkv, D = 2, 333, 4, 2, 32
+    for sq in (3, 40):
+        ks = jax.random.split(jax.random.key(sq), 3)
+        q = jax.random.normal(ks[0], (B, sq, Hq, D), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (B, L, Hkv, D), jnp.bfloat16) for kk in ks[1:])
+
+        def window(b, h, q_idx, kv_idx, sq=sq):  # a window per head, at the end of the cache
+            pos = q_idx + L - sq
+            return (pos >= kv_idx) & (kv_idx > pos - 100 - 37 * h)
+
+        bm = flexjax.create_block_mask(window, B, Hq, sq, L, block_size=(64, 32))
+        f = jax.jit(lambda q, k, v, bm=bm: flexjax.flex_attention(q, k, v, block_mask=bm))
+        hlo = f.lower(q, k, v).compile().as_text()
+        assert "flexjax_cpu_forward" in hlo and f"f32[{B},{L},{Hkv},{D}]" not in hlo
+        want = flexjax.flex_attention(q, k, v, block_mask=bm, backend="reference")
+        assert_close(f"per-head bf16 sq={sq}", f(q, k, v), want, want, jnp.bfloat16)
+
+
 def test_paged_decode_over_bfloat16_pools():
     """flexjax.paged over bfloat16 pools: the kernel reads the pages in place, as for float32."""
     lengths = np.array([300, 45])
