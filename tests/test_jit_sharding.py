@@ -106,8 +106,8 @@ def _float_collectives(compiled) -> list[tuple[str, str]]:
 
 
 CASES = [(t, layout, kind) for t in ("explicit", "auto") for layout in LAYOUTS for kind in KINDS]
-# Default: each layout and kind at least once on Explicit axes, head and batch sharding on Auto;
-# `make test-all` runs them all.
+# Default: head and batch-and-head sharding on Explicit axes, head sharding on Auto (documents
+# and batch-only sharding are in `make test-all`, which runs them all).
 DEFAULT = [("explicit", "heads", "causal"), ("explicit", "batch_heads", "relative_bias"),
            ("auto", "heads", "relative_bias")]
 
