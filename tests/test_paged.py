@@ -90,17 +90,18 @@ def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
         assert_close("paged pallas", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
 
 
-def test_sinks_and_aux_lse():
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_sinks_and_aux_lse(backend):
     """Attention sinks and AuxRequest(lse=True) through the page table: forward, lse and the
-    gradients of q, the pools and the sinks equal flex_attention on the gathered cache;
-    max_scores is refused with a clear error."""
+    gradients of q, the pools and the sinks equal flex_attention on the gathered cache, on
+    both paged backends (pallas in interpret mode); max_scores is refused with a clear error."""
     lengths, table, k_pages, v_pages, q, do, _ = _setup(1, seed=2)
     sinks = jnp.linspace(-1.0, 1.0, HQ)
     bm = flexjax.create_block_mask(masks.causal_bottom_right(1, lengths), B, None, 1, KV_LEN, block_size=(16, 32))
 
     def paged_loss(q, k_pages, v_pages, sinks):
         out, aux = paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=sinks,
-                                        return_aux=flexjax.AuxRequest(lse=True))
+                                        return_aux=flexjax.AuxRequest(lse=True), backend=backend)
         return jnp.sum(out * do) + 0.1 * jnp.sum(aux.lse), (out, aux.lse)
 
     def ref_loss(q, k_pages, v_pages, sinks):
@@ -122,16 +123,19 @@ def test_sinks_and_aux_lse():
         paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=jnp.zeros(HQ + 1))
 
 
-def test_jvp_matches_the_gathered_cache():
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_jvp_matches_the_gathered_cache(backend):
     """jax.jvp through the page table (q, the pools and a captured ALiBi table perturbed) equals
-    jax.jvp of flex_attention on the gathered cache; out and lse tangents."""
+    jax.jvp of flex_attention on the gathered cache; out and lse tangents, on both paged
+    backends (pallas in interpret mode)."""
     lengths, table, k_pages, v_pages, q, _, slopes = _setup(1, seed=3)
     bm = flexjax.create_block_mask(masks.causal_bottom_right(1, lengths), B, None, 1, KV_LEN, block_size=(16, 32))
     full = flexjax.create_block_mask(flexjax.and_masks(masks.causal_bottom_right(1, lengths), masks.padding(lengths)),
                                      B, None, 1, KV_LEN, block_size=(16, 32))
 
     def paged_f(q, k_pages, v_pages, slopes):
-        return paged.flex_attention(q, k_pages, v_pages, table, lengths, _alibi(slopes), bm, return_lse=True)
+        return paged.flex_attention(q, k_pages, v_pages, table, lengths, _alibi(slopes), bm, return_lse=True,
+                                    backend=backend)
 
     def ref_f(q, k_pages, v_pages, slopes):
         return flexjax.flex_attention(q, paged.gather(k_pages, table), paged.gather(v_pages, table), _alibi(slopes),
