@@ -366,6 +366,25 @@ def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists, se
     return out, lse, row_max
 
 
+def _linear_tangents(t_qkv, t_consts, score_consts):
+    """Which tangents are live (not symbolic zeros; captured arrays only if float), those
+    tangents in order (the linear map's arguments), and ``split``, which maps them back to
+    (tq, tk, tv, per-constant tuple) with None for the dead ones. Only perturbed inputs are
+    linear arguments: the backward then skips the gradients nobody asked for (for a bias
+    table, a scatter per tile)."""
+    live = lambda t: not isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
+    has_qkv = tuple(live(t) for t in t_qkv)
+    has_c = tuple(live(t) and bool(jnp.issubdtype(c.dtype, jnp.inexact)) for t, c in zip(t_consts, score_consts))
+    lin = tuple(t for t, h in zip(t_qkv, has_qkv) if h) + tuple(t for t, h in zip(t_consts, has_c) if h)
+
+    def split(lin_args):
+        it = iter(lin_args)
+        tq, tk, tv = (next(it) if h else None for h in has_qkv)
+        return tq, tk, tv, tuple(next(it) if h else None for h in has_c)
+
+    return has_qkv, has_c, lin, split
+
+
 def _attention_jvp(backend_name, spec, primals, tangents):
     q, k, v, score_consts, mask_consts, lists, seed = primals
     t_q, t_k, t_v, t_consts = tangents[:4]
@@ -373,14 +392,7 @@ def _attention_jvp(backend_name, spec, primals, tangents):
     out, lse, residuals = impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists,
                                                       dropout_seed=seed)
     row_max, log_sum = impl.row_stats(lse, residuals)
-    # Only perturbed inputs are linear arguments (symbolic zeros elsewhere): the backward
-    # then skips the gradients nobody asked for (for a bias table, a scatter per tile).
-    float_const = tuple(jnp.issubdtype(c.dtype, jnp.inexact) for c in score_consts)
-    live = lambda t: not isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
-    has_qkv = tuple(live(t) for t in (t_q, t_k, t_v))
-    has_c = tuple(live(t) and f for t, f in zip(t_consts, float_const))
-    lin = tuple(t for t, h in zip((t_q, t_k, t_v), has_qkv) if h) + tuple(
-        t for t, h in zip(t_consts, has_c) if h)
+    has_qkv, has_c, lin, split = _linear_tangents((t_q, t_k, t_v), t_consts, score_consts)
     zeros = (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype), jnp.zeros_like(row_max))
     if not lin:
         return (out, lse, row_max), zeros
@@ -389,12 +401,6 @@ def _attention_jvp(backend_name, spec, primals, tangents):
 
     def unflatten(flat):
         return jax.tree.unflatten(res_tree, flat)
-
-    def split(lin_args):
-        it = iter(lin_args)
-        tq, tk, tv = (next(it) if h else None for h in has_qkv)
-        tc = tuple(next(it) if h else None for h in has_c)
-        return tq, tk, tv, tc
 
     def tangent_map(*args):
         r = unflatten(args[:len(res_flat)])

@@ -376,6 +376,7 @@ def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, pa
 
 
 def _paged_jvp(name, spec, primals, tangents):
+    from ._api import _linear_tangents
     from ._linear import linear_apply
     from .backends import get_backend
     from .backends import xla as xla_backend
@@ -386,21 +387,12 @@ def _paged_jvp(name, spec, primals, tangents):
     out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
                                          page_table)
     row_max, log_sum = impl.row_stats(lse, residuals)
-    live = lambda t: not isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
-    has_qkv = tuple(live(t) for t in (t_q, t_kp, t_vp))
-    has_c = tuple(live(t) and bool(jnp.issubdtype(c.dtype, jnp.inexact)) for t, c in zip(t_consts, score_consts))
-    lin = tuple(t for t, h in zip((t_q, t_kp, t_vp), has_qkv) if h) + tuple(
-        t for t, h in zip(t_consts, has_c) if h)
+    has_qkv, has_c, lin, split = _linear_tangents((t_q, t_kp, t_vp), t_consts, score_consts)
     if not lin:
         return (out, lse), (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype))
     res = (q, k_pages, v_pages, out, lse, row_max, log_sum, score_consts, mask_consts, lists, page_table, residuals)
     res_flat, res_tree = jax.tree.flatten(res)
     ps = k_pages.shape[1]
-
-    def split(lin_args):
-        it = iter(lin_args)
-        tq, tk, tv = (next(it) if h else None for h in has_qkv)
-        return tq, tk, tv, tuple(next(it) if h else None for h in has_c)
 
     def tangent_map(*args):
         q_, kp, vp, out_, _, rmax, lsum, sc, mc, ls, pt, _ = jax.tree.unflatten(res_tree, args[:len(res_flat)])
