@@ -527,7 +527,7 @@ struct GroupState {
 
 struct Scratch {
   std::vector<float> kf, vf;  // a 16-bit cache's tile rows as float32
-  std::vector<int> lo, hi;    // the ranges clipped to a chunk
+  std::vector<int> lo, hi;    // the groups' ranges clipped to a chunk (clip_ranges)
   std::vector<GroupState> grp;
 };
 
@@ -673,21 +673,29 @@ static inline int64_t head_offset(const Problem& P, const ItemRows& R, int kv0, 
   return (kv_base(P, R.b, kv0) * P.Hkv + hkv) * n;
 }
 
+// Each 16-row group's kv range clipped to the chunk [a, b), into lo and hi, and the union of
+// the non-empty ones, [*c_lo, *c_hi) (empty: *c_lo >= *c_hi).
+static void clip_ranges(const GroupState& gs, int ng, int a, int b, int* lo, int* hi, int* c_lo, int* c_hi) {
+  *c_lo = b;
+  *c_hi = a;
+  for (int g = 0; g < ng; ++g) {
+    lo[g] = std::max(gs.lo[g], a);
+    hi[g] = std::min(gs.hi[g], b);
+    if (lo[g] < hi[g]) {
+      *c_lo = std::min(*c_lo, lo[g]);
+      *c_hi = std::max(*c_hi, hi[g]);
+    }
+  }
+}
+
 // Phase 2: scores St[c][r] of the columns [a, b) within the groups' ranges (then score_mod).
 static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scratch& w, int kv0, int nc, int a,
                         int b) {
   const int nrp = (int)R.nrp, ng = nrp / 16, D = (int)P.D;
   int* lo = w.lo.data();
   int* hi = w.hi.data();
-  int c_lo = b, c_hi = a;
-  for (int g = 0; g < ng; ++g) {
-    lo[g] = std::max(gs.lo[g], a);
-    hi[g] = std::min(gs.hi[g], b);
-    if (lo[g] < hi[g]) {
-      c_lo = std::min(c_lo, lo[g]);
-      c_hi = std::max(c_hi, hi[g]);
-    }
-  }
+  int c_lo, c_hi;
+  clip_ranges(gs, ng, a, b, lo, hi, &c_lo, &c_hi);
   if (c_lo >= c_hi) return;
   const int64_t off = head_offset(P, R, kv0, P.D), row = P.Hkv * P.D;
   float* S = gs.s.data();
@@ -767,33 +775,26 @@ static void tile_softmax(const Problem& P, const ItemRows& R, GroupState& gs, bo
 static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch& w, int kv0, int nc, int a,
                     int b) {
   const int nrp = (int)R.nrp, ng = nrp / 16, nr = (int)R.nr, Dv = (int)P.Dv;
-  int c_lo = b, c_hi = a;
-  for (int g = 0; g < ng; ++g) {
-    const int lo = std::max(gs.lo[g], a), hi = std::min(gs.hi[g], b);
-    if (lo < hi) {
-      c_lo = std::min(c_lo, lo);
-      c_hi = std::max(c_hi, hi);
-    }
-  }
+  int* lo = w.lo.data();
+  int* hi = w.hi.data();
+  int c_lo, c_hi;
+  clip_ranges(gs, ng, a, b, lo, hi, &c_lo, &c_hi);
   if (c_lo >= c_hi) return;
   const int64_t off = head_offset(P, R, kv0, P.Dv), row = P.Hkv * P.Dv;
   if (nrp == 16) {  // at most 16 rows: each value element is read once or a few times, in place
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
-      const int lo = std::max(gs.lo[0], a), hi = std::min(gs.hi[0], b);
-      pv_range<E>(gs.s.data(), nrp, static_cast<const typename E::T*>(P.v) + off, row, lo, hi, gs.o.data(), Dv, Dv,
-                  0, nr, gs.alpha.data(), P.ahead, prefetch_limit(P, kv0, nc));
+      pv_range<E>(gs.s.data(), nrp, static_cast<const typename E::T*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv,
+                  Dv, 0, nr, gs.alpha.data(), P.ahead, prefetch_limit(P, kv0, nc));
     });
     return;
   }
   int64_t vs;
   const float* V = cache_rows(P, P.v, off, row, Dv, c_lo, c_hi, w.vf, &vs);
-  for (int g = 0; g < ng; ++g) {
-    const int lo = std::max(gs.lo[g], a), hi = std::min(gs.hi[g], b);
-    if (lo < hi)
-      pv_range(gs.s.data(), nrp, V, vs, lo, hi, gs.o.data(), Dv, Dv, 16 * g, std::min(16 * g + 16, nr),
+  for (int g = 0; g < ng; ++g)
+    if (lo[g] < hi[g])
+      pv_range(gs.s.data(), nrp, V, vs, lo[g], hi[g], gs.o.data(), Dv, Dv, 16 * g, std::min(16 * g + 16, nr),
                gs.alpha.data());
-  }
 }
 
 // Rows per chunk when an item's groups take a tile's phases in turn (32 measured best of 16,
