@@ -40,6 +40,7 @@ $(CSTAMP): pyproject.toml
 test-compile: $(CSTAMP)
 	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
 	$(CPY) tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md
+	$(CPY) tests_compile/decode_suite.py > tests_compile/last_decode_table.txt || (cat tests_compile/last_decode_table.txt; exit 1)
 	JAX_PLATFORMS=cpu PYTHONPATH=tests $(CPY) -m pytest -q -n 2 tests_triton
 
 bench: $(STAMP)

@@ -325,10 +325,14 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         reason = pallas.unsupported_reason(spec, query, *_logical_like(B, kv_len, k_pages, v_pages))
         if reason is not None:
             raise NotImplementedError(f"backend 'pallas' cannot serve this paged call: {reason}")
-        if not pallas_decode.serves(spec, query, pallas._resolve(spec, D, query.dtype)):
-            raise NotImplementedError(f"the pallas paged kernel serves Sq <= {pallas_decode.DECODE_MAX_Q} on the GPU "
-                                      f"template (interpret mode on CPU), got Sq={Sq} on "
-                                      f"{jax.default_backend()}; pass backend='xla'")
+        o = pallas._resolve(spec, D, query.dtype)
+        if not pallas_decode.serves(spec, query, o):
+            raise NotImplementedError(f"the pallas paged kernel serves Sq <= {pallas_decode.DECODE_MAX_Q}, got Sq={Sq} "
+                                      f"on {jax.default_backend()}; pass backend='xla'")
+        if o.target == "tpu":
+            reason = pallas_decode.tpu_reason(spec, query, v_pages, lists, pallas._mods(spec, o))
+            if reason is not None:
+                raise NotImplementedError(f"the pallas paged kernel cannot serve this call on TPU: {reason}")
     out, lse = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
     return _results(out, lse, None, sinks, return_lse, return_aux)
 

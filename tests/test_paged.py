@@ -204,3 +204,113 @@ def test_pallas_decode_kernels_lower_for_cuda():
         for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos))):
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "flexjax_decode" in text
+
+
+# -- the TPU decode kernel (Mosaic template, interpret mode here) ------------------------------
+
+TPU_INTERPRET = {"target": "tpu", "interpret": True}
+
+
+@pytest.fixture
+def tpu_decode_calls(monkeypatch):
+    """The packing (G: heads in one tile, 1: one program per query head) of each TPU decode kernel call."""
+    from flexjax.backends.pallas import _decode as pallas_decode
+
+    calls = []
+    real = pallas_decode._tpu_call
+
+    def spy(*args, **kwargs):
+        calls.append(args[10])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_decode, "_tpu_call", spy)
+    return calls
+
+
+@pytest.mark.parametrize("sq", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_tpu_decode_kernel_matches_reference(sq, tpu_decode_calls):
+    """The TPU kernel (tiles copied by DMA, double-buffered) on a contiguous cache and on
+    pages: GQA heads packed (soft-cap), one program per head (ALiBi reads h), a captured
+    bias along kv_idx, a sliding window in logical positions; out and lse against the
+    reference on the gathered cache."""
+    from flexjax import mods
+
+    Bt, Hq, Hkv, Dt, ps, max_pages = 2, 4, 2, 128, 128, 4
+    L = ps * max_pages
+    ks = jax.random.split(jax.random.key(3), 5)
+    lengths = jnp.array([400, 70], jnp.int32)
+    table = jnp.asarray(paged.page_table_for(np.asarray(lengths), ps, max_pages, num_pages=9, seed=1))
+    k_pages, v_pages = (jax.random.normal(kk, (9, ps, Hkv, Dt)) for kk in ks[:2])
+    q = jax.random.normal(ks[2], (Bt, sq, Hq, Dt))
+    bias = jax.random.normal(ks[3], (L,))
+    slopes = jax.random.uniform(ks[4], (Hq,), minval=0.01, maxval=0.2)
+    k, v = paged.gather(k_pages, table), paged.gather(v_pages, table)
+
+    def window(b, h, q_idx, kv_idx):
+        return kv_idx >= q_idx + lengths[b] - sq - 300
+
+    # kv blocks of 32: ten tiles in the first sequence's window, so each of a row's four
+    # chunks copies two or three (the second by the double buffer's other slot).
+    mask = flexjax.and_masks(masks.causal_bottom_right(sq, lengths), window)
+    bm = flexjax.create_block_mask(mask, Bt, None, sq, L, block_size=(128, 32))
+    full = flexjax.create_block_mask(flexjax.and_masks(mask, masks.padding(lengths)), Bt, None, sq, L,
+                                     block_size=(128, 32))
+    cases = [("soft-cap", mods.soft_cap(5.0), Hq // Hkv), ("alibi", _alibi(slopes), 1),
+             ("kv bias", lambda s, b, h, q_idx, kv_idx: s + bias[kv_idx], Hq // Hkv)]
+    for name, score, pack in cases:
+        truth = flexjax.flex_attention(q, k, v, score, full, return_lse=True, backend="reference")
+        tpu_decode_calls.clear()
+        got = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, score, full, return_lse=True, backend="pallas",
+                                                             kernel_options=TPU_INTERPRET))(q, k, v)
+        assert_close(f"tpu decode {name}", got, truth, truth, jnp.float32)
+        got = jax.jit(lambda q, kp, vp: paged.flex_attention(q, kp, vp, table, lengths, score, bm, return_lse=True,
+                                                             backend="pallas", kernel_options=TPU_INTERPRET)
+                      )(q, k_pages, v_pages)
+        assert_close(f"tpu paged {name}", got, truth, truth, jnp.float32)
+        assert tpu_decode_calls == [pack, pack], name
+
+
+def test_tpu_decode_kernel_gate(tpu_decode_calls):
+    """Head dims the kernel cannot slice by DMA (not multiples of 128): a contiguous cache
+    takes the TPU's tiled kernels (same result), flexjax.paged raises and says why."""
+    lengths, table, k_pages, v_pages, q, _, _ = _setup(1)
+    bm = flexjax.create_block_mask(masks.causal_bottom_right(1, lengths), B, None, 1, KV_LEN, block_size=(16, 32))
+    k = paged.gather(k_pages, table)
+    truth = flexjax.flex_attention(q, k, paged.gather(v_pages, table), block_mask=bm, backend="reference")
+    got = flexjax.flex_attention(q, k, paged.gather(v_pages, table), block_mask=bm, backend="pallas",
+                                 kernel_options=TPU_INTERPRET)
+    assert_close("tpu tiled kernels (D=16)", got, truth, truth, jnp.float32)
+    assert tpu_decode_calls == []
+    with pytest.raises(NotImplementedError, match="multiples of 128, got D=16"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, backend="pallas",
+                             kernel_options=TPU_INTERPRET)
+
+
+def test_tpu_decode_kernels_lower_for_tpu(tpu_decode_calls):
+    """The decode and paged kernels lower to Mosaic from this CPU host (tests_compile/decode_suite.py
+    compiles them with libtpu for TPU v5e)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    L = 512
+    bm = flexjax.create_block_mask(masks.causal, None, None, L, L)
+    opts = {"target": "tpu"}
+
+    def contiguous(q, k, v, pos):
+        return flexjax.flex_attention(q, k, v, block_mask=paged.decode_block_mask(bm, pos), backend="pallas",
+                                      kernel_options=opts)
+
+    def paged_step(q, kp, vp, table, pos):
+        return paged.flex_attention(q, kp, vp, table, pos + 1, block_mask=paged.decode_block_mask(bm, pos),
+                                    backend="pallas", kernel_options=opts)
+
+    q = jax.ShapeDtypeStruct((2, 1, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, L, 2, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 128, 2, 128), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((2,), jnp.int32)
+    table = jax.ShapeDtypeStruct((2, L // 128), jnp.int32)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos))):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text and "flexjax_decode" in text
+    assert tpu_decode_calls == [2, 2]

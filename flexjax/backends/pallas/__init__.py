@@ -236,9 +236,10 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     """
     o = _resolve(spec, q.shape[-1], q.dtype)
     from . import _decode  # few queries: KV split over programs, merged by lse
-    if _decode.serves(spec, q, o):
-        return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, _mods(spec, o))
     mods = _mods(spec, o)
+    # (On TPU, calls the decode kernel cannot serve take the tiled kernels, which are exact too.)
+    if _decode.serves(spec, q, o) and (o.target != "tpu" or _decode.tpu_reason(spec, q, v, lists, mods) is None):
+        return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _template(o).forward(g, mods, spec.scale, qp, kp, vp, lists, s_pro, m_pro,

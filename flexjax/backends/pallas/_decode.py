@@ -11,8 +11,16 @@ row sum), so the backward is the usual one.
 
 When neither mod reads ``h`` (causal, windows, padding, soft-cap...), the query heads of a
 GQA group and the queries share one tile's rows, so K/V are read once per kv head; mods
-that read ``h`` (ALiBi, per-head masks) get one program per query head. Not done yet: a
-TPU (Mosaic) variant; TPU calls take the normal kernels.
+that read ``h`` (ALiBi, per-head masks) get one program per query head.
+
+TPU (Mosaic): program (batch, head, chunk) walks only its share of the row's tiles, the
+counts read from the scalar-prefetched lists at run time (a grid step per tile of the
+lists' width would cost a step per idle tile), copying each tile's K and V rows of its kv
+head from HBM by DMA, double-buffered: the next tile's copy runs while this one computes.
+The cache stays in its (B, S, Hkv, D) layout, seen as (B, S, Hkv * D), so a kv head is a
+128-lane-aligned slice (Mosaic cannot slice the second-minor dimension at an arbitrary
+head); paged pools are read through the page table in SMEM. ``tpu_reason`` says which
+calls it serves; the others take the TPU's tiled kernels (``flexjax.paged`` raises).
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from .._common import lse_of
 from .._decode import DECODE_MAX_Q
 from .._decode import serves as xla_serves
 from ._gpu import _compiler_params, _div, _pro_refs, _Program, _rem, _take, _uses, _whole
 from ._layout import geometry, pad_axis, prologues
-from ._tile import Mods, Tile, finish, forward_tile
+from ._tile import ModInputs, Mods, Tile, finish, forward_tile, tile_indices
 
 # Programs the kv tiles of one row are split over (flash-decoding's split-KV).
 _CHUNKS = 4
@@ -51,9 +60,26 @@ def q_tile(spec, o) -> int | None:
 
 
 def serves(spec, q, o) -> bool:
-    """The decode kernel serves few queries (``Sq <= DECODE_MAX_Q``) on the GPU template."""
-    return (o.target != "tpu" and xla_serves(spec, q) and spec.q_len <= DECODE_MAX_Q
-            and q_tile(spec, o) is not None)
+    """The decode kernel serves few queries (``Sq <= DECODE_MAX_Q``); on TPU only where
+    ``tpu_reason`` is None as well."""
+    return xla_serves(spec, q) and spec.q_len <= DECODE_MAX_Q and q_tile(spec, o) is not None
+
+
+def tpu_reason(spec, q, v, lists, mods: Mods) -> str | None:
+    """None where the TPU decode kernel serves this call, else why not."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D % 128 or Dv % 128:
+        return ("the TPU decode kernel copies a kv head's rows as 128-lane slices of the cache; head dims must be "
+                f"multiples of 128, got D={D}, Dv={Dv}")
+    if spec.q_len > spec.block_size[0]:
+        return f"the TPU decode kernel takes the queries in one q block: Sq={spec.q_len} > block {spec.block_size[0]}"
+    if lists[0].shape[1] != 1:
+        return "the TPU decode kernel walks one tile list per sequence; this BlockMask has one per head"
+    for m in (mods.score, mods.mask):
+        if m is not None and (m.arrays or m.diags):
+            return (f"the TPU decode kernel reads no captured tables, and {m.name} reads one along q_idx and "
+                    "kv_idx")
+    return None
 
 
 def _packs(spec, g, s_pro, m_pro) -> bool:
@@ -132,6 +158,132 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
     l_ref[...] = l
 
 
+def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: bool, pack: int, D: int, Dv: int):
+    it = iter(refs)
+    kv_n, kv_i, fkv_n, fkv_i = _take(it, 4)
+    pt_ref = next(it) if paged else None
+    q_ref, k_hbm, v_hbm = _take(it, 3)
+    s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
+    o_ref, m_ref, l_ref, kbuf, vbuf, sem = _take(it, 6)
+    b, hh, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kvh, h = (hh, hh * g.G) if pack > 1 else (_div(hh, g.G), hh)
+    bm = b if g.Bm > 1 else 0
+    n_p = kv_n[bm, 0, 0]
+    n_all = n_p + fkv_n[bm, 0, 0]
+    lo, hi = _div(c * n_all, chunks), _div((c + 1) * n_all, chunks)
+    tq, tk = g.tq, g.tk
+
+    def block(e):  # the kv tile of list entry e: the partial tiles', then the full tiles'
+        part = kv_i[bm, 0, 0, jnp.minimum(e, kv_i.shape[-1] - 1)]
+        full = fkv_i[bm, 0, 0, jnp.clip(e - n_p, 0, fkv_i.shape[-1] - 1)]
+        return jnp.where(e < n_p, part, full)
+
+    def copies(e, slot):
+        ks = block(e) * tk
+        if paged:
+            ps = k_hbm.shape[1]
+            page = jnp.clip(pt_ref[b, _div(ks, ps)], 0, k_hbm.shape[0] - 1)
+            rows = (page, pl.ds(pl.multiple_of(_rem(ks, ps), tk), tk))
+        else:
+            rows = (b, pl.ds(pl.multiple_of(ks, tk), tk))
+        return (pltpu.make_async_copy(k_hbm.at[(*rows, pl.ds(pl.multiple_of(kvh * D, 128), D))], kbuf.at[slot],
+                                      sem.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[(*rows, pl.ds(pl.multiple_of(kvh * Dv, 128), Dv))], vbuf.at[slot],
+                                      sem.at[1, slot]))
+
+    @pl.when(lo < hi)
+    def _():
+        for cp in copies(lo, 0):
+            cp.start()
+
+    def bh(uses):
+        ub, uh = uses
+        return (b if ub else 0), (h if uh else 0)
+
+    def inputs(refs, cm, ks):
+        if cm is None:
+            return ModInputs((), (), None)
+        rows, cols, _ = refs
+        return ModInputs(tuple(r[...] for r in rows),
+                         tuple(col[:, pl.ds(pl.multiple_of(ks, tk), tk)] for col in cols), None)
+
+    def body(masked):
+        def step(e, carry):
+            slot = _rem(e - lo, 2)
+            for cp in copies(e, slot):
+                cp.wait()
+
+            @pl.when(e + 1 < hi)
+            def _():
+                for cp in copies(e + 1, 1 - slot):
+                    cp.start()
+
+            ks = block(e) * tk
+            if pack > 1:
+                r = lax.broadcasted_iota(jnp.int32, (tq, tk), 0)
+                ki = ks + lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
+                tl = Tile(b, h, lax.rem(r, jnp.int32(g.q_len)), jnp.minimum(ki, g.kv_len - 1), r < pack * g.q_len,
+                          ki < g.kv_len)
+            else:
+                tl = tile_indices(b, h, 0, ks, tq, tk, g.q_len, g.kv_len, full_2d=True)
+            return forward_tile(mods, carry, q_ref[...], kbuf[slot], vbuf[slot], tl, scale, masked,
+                                inputs(s_refs, mods.score, ks), inputs(m_refs, mods.mask, ks))
+
+        return step
+
+    carry = (jnp.full((tq, 1), -jnp.inf, jnp.float32), jnp.zeros((tq, 1), jnp.float32),
+             jnp.zeros((tq, Dv), jnp.float32))
+    carry = lax.fori_loop(lo, jnp.minimum(hi, n_p), body(True), carry)
+    carry = lax.fori_loop(jnp.maximum(lo, n_p), hi, body(False), carry)
+    out, m, l = finish(carry)
+    o_ref[...] = out
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_table):
+    """The TPU kernel's (acc (chunks, B, tq, H, Dv), max, sum (chunks, B, H, tq, 1)), as the GPU template's."""
+    B, tq, H, D = qp.shape
+    Dv = v.shape[-1]
+    paged = page_table is not None
+    chunks = _CHUNKS
+    # The cache as (rows, Hkv * D): a kv head's D lanes are one aligned slice of a row.
+    kf, vf = (x.reshape(*x.shape[:2], -1) for x in (k, v))
+    qt = jnp.swapaxes(qp, 1, 2)  # (B, H, tq, D)
+
+    def pro_specs(cm, pro):
+        if cm is None:
+            return []
+        hsel = (lambda hh: hh * g.G) if pack > 1 else (lambda hh: hh)
+
+        def at(u):
+            return lambda b, hh, c, *_: ((b if u[0] else 0), (hsel(hh) if u[1] else 0), 0, 0)
+
+        return ([pl.BlockSpec((None, None, tq, 1), at(u)) for u in cm.row_uses]
+                + [pl.BlockSpec((None, None, 1, g.skv), at(u)) for u in cm.col_uses])
+
+    pro_args = (*s_pro.rows, *s_pro.cols, *m_pro.rows, *m_pro.cols)
+    in_specs = ([pl.BlockSpec((None, None, tq, D), lambda b, hh, c, *_: (b, hh, 0, 0)),
+                 pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+                + pro_specs(mods.score, s_pro) + pro_specs(mods.mask, m_pro))
+    vec = pl.BlockSpec((None, None, None, tq, 1), lambda b, hh, c, *_: (c, b, hh, 0, 0))
+    out_specs = [pl.BlockSpec((None, None, None, tq, Dv), lambda b, hh, c, *_: (c, b, hh, 0, 0)), vec, vec]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5 if paged else 4, grid=(B, H, chunks), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((2, g.tk, D), k.dtype), pltpu.VMEM((2, g.tk, Dv), v.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2))])
+    kernel = functools.partial(_tpu_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro), chunks=chunks,
+                               paged=paged, pack=pack, D=D, Dv=Dv)
+    vec_shape = jax.ShapeDtypeStruct((chunks, B, H, tq, 1), jnp.float32)
+    acc, m, l = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((chunks, B, H, tq, Dv), jnp.float32), vec_shape, vec_shape],
+        interpret=o.interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        name="flexjax_decode",
+    )(*lists[:4], *([page_table] if paged else []), qt, kf, vf, *pro_args)
+    return acc.transpose(0, 1, 3, 2, 4), m, l
+
+
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods: Mods, page_table=None):
     """out (B, Sq, Hq, Dv), lse and the pallas backward's residuals (row max, row sum).
 
@@ -141,11 +293,13 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
     B, Sq, Hq, D = q.shape
     Dv = v.shape[-1]
     paged = page_table is not None
-    tq = q_tile(spec, o)
-    tk = spec.block_size[1] if paged else o.block_kv
+    tpu = o.target == "tpu"
+    # (TPU: the queries' rows in whole 16-row sublane tiles, the BlockMask's kv block per tile.)
+    tq = -(-Sq // 16) * 16 if tpu else q_tile(spec, o)
+    tk = spec.block_size[1] if paged or tpu else o.block_kv
     kshape = (B, spec.kv_len) + k.shape[2:]
     g, lists = geometry(spec, q, jax.ShapeDtypeStruct(kshape, k.dtype), lists, tq, tk)
-    qp = pad_axis(q, 1, g.sq)
+    qp = pad_axis(q, 1, tq if tpu else g.sq)
     if not paged:
         k, v = pad_axis(k, 1, g.skv), pad_axis(v, 1, g.skv)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
@@ -156,6 +310,8 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
         # (row g * Sq + s), laid out as a sequence of R rows over Hkv heads, so K/V are
         # read once per kv head.
         tq = max(16, 1 << (R - 1).bit_length()) if o.target == "cuda" and not o.interpret else R
+        if tpu:
+            tq = -(-R // 16) * 16
         qp = pad_axis(q.reshape(B, Sq, g.Hkv, G, D).transpose(0, 3, 1, 2, 4).reshape(B, R, g.Hkv, D), 1, tq)
         r = jnp.arange(tq)
         rows_of = jnp.where(r < R, r % Sq, 0)
@@ -163,6 +319,9 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
         g = dataclasses.replace(g, tq=tq)
     H, Gp = (g.Hkv, 1) if pack > 1 else (Hq, G)
     nqt = 1 if pack > 1 else -(-Sq // tq)
+    if tpu:
+        acc, m, l = _tpu_call(g, mods, spec.scale, qp, k, v, lists, s_pro, m_pro, o, pack, page_table)
+        return _merge(acc, m, l, q, pack, Sq, G, g.Hkv, Hq, Dv)
     width = (lists[1].shape[-1] + lists[3].shape[-1]) * g.sub_k
     chunks = max(1, min(_CHUNKS, width))
     per = -(-width // chunks)
@@ -188,9 +347,15 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
         interpret=o.interpret, compiler_params=_compiler_params(o.target, o.interpret, o.num_warps, o.num_stages),
         name="flexjax_decode",
     )(*lists[:4], *head, qp, k, v, *pro_args)
+    return _merge(acc, m, l, q, pack, Sq, G, g.Hkv, Hq, Dv)
+
+
+def _merge(acc, m, l, q, pack, Sq, G, Hkv, Hq, Dv):
+    """out, lse and (max, sum) from the chunks' normalized rows and their (max, sum)."""
+    chunks, B, R = acc.shape[0], acc.shape[1], G * Sq
     if pack > 1:
         m, l = (x[:, :, :, :R].reshape(chunks, B, Hq, Sq, 1) for x in (m, l))
-        acc = acc[:, :, :R].reshape(chunks, B, G, Sq, g.Hkv, Dv).transpose(0, 1, 3, 4, 2, 5)
+        acc = acc[:, :, :R].reshape(chunks, B, G, Sq, Hkv, Dv).transpose(0, 1, 3, 4, 2, 5)
         acc = acc.reshape(chunks, B, Sq, Hq, Dv)
     # Merge the chunks by their log-sum-exp; an empty chunk has sum 0 and max 0.
     m, l = m[:, :, :, :Sq, 0], l[:, :, :, :Sq, 0]
