@@ -258,7 +258,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
       sinks: attention sinks, float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``
         (logits joining every row's normalizer; ``jax.grad`` reaches them).
       backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
-        ``Sq <= 64``; interpret mode on CPU).
+        ``Sq <= 64``: the GPU template, or on TPU the Mosaic kernel, which needs head dims
+        that are multiples of 128 and a BlockMask built with ``H=None``; interpret mode on
+        CPU).
       kernel_options: the pallas backend's (e.g. ``{"target": "cuda"}``), with backend="pallas".
 
     Returns:

@@ -74,7 +74,8 @@ def tpu_reason(spec, q, v, lists, mods: Mods) -> str | None:
     if spec.q_len > spec.block_size[0]:
         return f"the TPU decode kernel takes the queries in one q block: Sq={spec.q_len} > block {spec.block_size[0]}"
     if lists[0].shape[1] != 1:
-        return "the TPU decode kernel walks one tile list per sequence; this BlockMask has one per head"
+        return ("the TPU decode kernel walks one tile list per sequence; this BlockMask has one per head (build "
+                "it with H=None)")
     for m in (mods.score, mods.mask):
         if m is not None and (m.arrays or m.diags):
             return (f"the TPU decode kernel reads no captured tables, and {m.name} reads one along q_idx and "
