@@ -197,11 +197,7 @@ def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: 
         for cp in copies(lo, 0):
             cp.start()
 
-    def bh(uses):
-        ub, uh = uses
-        return (b if ub else 0), (h if uh else 0)
-
-    def inputs(refs, cm, ks):
+    def inputs(refs, cm, ks):  # (the prologues' blocks are this program's (b, h) already)
         if cm is None:
             return ModInputs((), (), None)
         rows, cols, _ = refs
