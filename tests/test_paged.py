@@ -177,14 +177,13 @@ def test_errors():
         paged.flex_attention(q, k_pages, v_pages, table, lengths, backend="triton")
 
 
-@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-def test_pallas_decode_kernels_lower_for_cuda():
-    """The decode and paged kernels lower through Triton from this CPU host (page table as an int32 ref)."""
+def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int):
+    """The HLO text of a contiguous and a paged decode step (bf16, B=2, Hq=4, Hkv=2, pages of
+    ``block``) lowered for ``target`` from this CPU host."""
     from jax.sharding import AbstractDevice, AbstractMesh
 
-    L, sq = 256, 1
-    bm = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=64)
-    opts = {"target": "cuda"}
+    bm = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=block)
+    opts = {"target": target}
 
     def contiguous(q, k, v, pos):
         return flexjax.flex_attention(q, k, v, block_mask=paged.decode_block_mask(bm, pos), backend="pallas",
@@ -194,16 +193,22 @@ def test_pallas_decode_kernels_lower_for_cuda():
         return paged.flex_attention(q, kp, vp, table, pos + 1, block_mask=paged.decode_block_mask(bm, pos),
                                     backend="pallas", kernel_options=opts)
 
-    q = jax.ShapeDtypeStruct((2, sq, 4, 64), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, L, 2, 64), jnp.bfloat16)
-    pages = jax.ShapeDtypeStruct((8, 64, 2, 64), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 1, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, L, 2, D), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, block, 2, D), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((2,), jnp.int32)
-    table = jax.ShapeDtypeStruct((2, L // 64), jnp.int32)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", 1, "cuda"))
+    table = jax.ShapeDtypeStruct((2, L // block), jnp.int32)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device, 1, target))
     with jax.sharding.use_abstract_mesh(mesh):
-        for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos))):
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "flexjax_decode" in text
+        return [jax.jit(f).trace(*args).lower(lowering_platforms=(target,)).as_text()
+                for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos)))]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_pallas_decode_kernels_lower_for_cuda():
+    """The decode and paged kernels lower through Triton from this CPU host (page table as an int32 ref)."""
+    for text in _lowered_decode_steps("cuda", "NVIDIA H100 80GB HBM3", D=64, block=64, L=256):
+        assert "flexjax_decode" in text
 
 
 # -- the TPU decode kernel (Mosaic template, interpret mode here) ------------------------------
@@ -289,30 +294,8 @@ def test_tpu_decode_kernel_gate(tpu_decode_calls):
 def test_tpu_decode_kernels_lower_for_tpu(tpu_decode_calls):
     """The decode and paged kernels lower to Mosaic from this CPU host (tests_compile/decode_suite.py
     compiles them with libtpu for TPU v5e)."""
-    from jax.sharding import AbstractDevice, AbstractMesh
-
-    L = 512
-    bm = flexjax.create_block_mask(masks.causal, None, None, L, L)
-    opts = {"target": "tpu"}
-
-    def contiguous(q, k, v, pos):
-        return flexjax.flex_attention(q, k, v, block_mask=paged.decode_block_mask(bm, pos), backend="pallas",
-                                      kernel_options=opts)
-
-    def paged_step(q, kp, vp, table, pos):
-        return paged.flex_attention(q, kp, vp, table, pos + 1, block_mask=paged.decode_block_mask(bm, pos),
-                                    backend="pallas", kernel_options=opts)
-
-    q = jax.ShapeDtypeStruct((2, 1, 4, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, L, 2, 128), jnp.bfloat16)
-    pages = jax.ShapeDtypeStruct((8, 128, 2, 128), jnp.bfloat16)
-    pos = jax.ShapeDtypeStruct((2,), jnp.int32)
-    table = jax.ShapeDtypeStruct((2, L // 128), jnp.int32)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos))):
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-            assert "tpu_custom_call" in text and "flexjax_decode" in text
+    for text in _lowered_decode_steps("tpu", "TPU v5 lite", D=128, block=128, L=512):
+        assert "tpu_custom_call" in text and "flexjax_decode" in text
     assert tpu_decode_calls == [2, 2]
 
 
