@@ -300,9 +300,9 @@ def test_tpu_decode_kernels_lower_for_tpu(tpu_decode_calls):
 
 
 @pytest.mark.slow
-def test_tpu_paged_gradients(tpu_decode_calls):
-    """jax.grad through the TPU decode kernel's paged forward: the backward is the TPU
-    template's on the gathered cache (interpret mode)."""
+def test_tpu_decode_gradients(tpu_decode_calls):
+    """jax.grad through the TPU decode kernel's forward, paged and contiguous: the backward
+    is the TPU template's (on the gathered cache for pages), interpret mode."""
     from flexjax import mods
 
     lengths = jnp.array([400, 70], jnp.int32)
@@ -323,7 +323,20 @@ def test_tpu_paged_gradients(tpu_decode_calls):
                                      backend="reference")
         return jnp.sum(out ** 2)
 
+    def contiguous_loss(q, k, v):
+        out = flexjax.flex_attention(q, k, v, mods.soft_cap(5.0), full, backend="pallas",
+                                     kernel_options=TPU_INTERPRET)
+        return jnp.sum(out ** 2)
+
     got = jax.grad(loss, argnums=(0, 1, 2))(q, k_pages, v_pages)
     truth = jax.grad(ref, argnums=(0, 1, 2))(q, k_pages, v_pages)
     assert_close("tpu paged gradients", got, truth, truth, jnp.float32)
+    assert tpu_decode_calls and set(tpu_decode_calls) == {2}
+    tpu_decode_calls.clear()
+    k, v = paged.gather(k_pages, table), paged.gather(v_pages, table)
+    got = jax.grad(contiguous_loss, argnums=(0, 1, 2))(q, k, v)
+    truth = jax.grad(lambda q, k, v: jnp.sum(flexjax.flex_attention(q, k, v, mods.soft_cap(5.0), full,
+                                                                    backend="reference") ** 2),
+                     argnums=(0, 1, 2))(q, k, v)
+    assert_close("tpu contiguous gradients", got, truth, truth, jnp.float32)
     assert tpu_decode_calls and set(tpu_decode_calls) == {2}
