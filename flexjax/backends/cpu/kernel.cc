@@ -164,10 +164,28 @@ static inline void prefetch_run(const T* p, int n) {
   for (int off = 0; off < n * (int)sizeof(T); off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// Where a decode tile's row reads prefetch: the row n on in the order the rows are read.
+// Past a call's last row the order goes on at `next` (next_rows rows, the same stride: the
+// next kv head's rows, or the next chunk's). n == 0: no prefetch.
+template <class T>
+struct Ahead {
+  int n = 0;
+  const T* next = nullptr;
+  int next_rows = 0;
+};
+
+// The row n on from row c of rows [.., c_hi) at base (rows stride apart), or null past the order's end.
+template <class T>
+static inline const T* ahead_row(const Ahead<T>& a, const T* base, int64_t stride, int c, int c_hi) {
+  const int t = c + a.n;
+  if (t < c_hi) return base + (int64_t)t * stride;
+  return t - c_hi < a.next_rows ? a.next + (int64_t)(t - c_hi) * stride : nullptr;
+}
+
 // O[r][v0 + 16 j] += sum_c P[c][r] V[c][v0 + 16 j] for r in [r0, r0 + MR), c in [c_lo, c_hi).
 template <class E, int MR, int NV>
 static inline void pv_block(const float* P, int ldP, const typename E::T* V, int64_t vs, int c_lo, int c_hi, float* O,
-                            int ldo, int r0, int v0, const float* alpha, int ahead, int c_lim) {
+                            int ldo, int r0, int v0, const float* alpha, const Ahead<typename E::T>& ahead) {
   v16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NV; ++j)
@@ -176,7 +194,8 @@ static inline void pv_block(const float* P, int ldP, const typename E::T* V, int
     v16 vv[NV];
     const typename E::T* vr = V + (int64_t)c * vs + v0;
     for (int j = 0; j < NV; ++j) vv[j] = E::ld(vr + 16 * j);
-    if (c + ahead < c_lim) prefetch_run(vr + ahead * vs, 16 * NV);
+    if (ahead.n > 0)
+      if (const typename E::T* pf = ahead_row(ahead, V + v0, vs, c, c_hi)) prefetch_run(pf, 16 * NV);
     const float* pr = P + (int64_t)c * ldP + r0;
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
@@ -190,26 +209,34 @@ static inline void pv_block(const float* P, int ldP, const typename E::T* V, int
 
 template <class E, int NV>
 static void pv_rows(const float* P, int ldP, const typename E::T* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
-                    int r_lo, int r_hi, int v0, const float* alpha, int ahead, int c_lim) {
+                    int r_lo, int r_hi, int v0, const float* alpha, const Ahead<typename E::T>& ahead) {
   constexpr int MR = 24 / NV;
   int r = r_lo;
-  for (; r + MR <= r_hi; r += MR) pv_block<E, MR, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead, c_lim);
-  for (; r + 4 <= r_hi; r += 4) pv_block<E, 4, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead, c_lim);
-  for (; r < r_hi; ++r) pv_block<E, 1, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead, c_lim);
+  for (; r + MR <= r_hi; r += MR) pv_block<E, MR, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead);
+  for (; r + 4 <= r_hi; r += 4) pv_block<E, 4, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead);
+  for (; r < r_hi; ++r) pv_block<E, 1, NV>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead);
 }
 
 // O rows [r_lo, r_hi) = alpha O + P^T V over kv rows [c_lo, c_hi) (alpha: the rows' softmax rescale).
 // (O's rows are ldo floats apart; Dv of them are updated, or written, O's old rows unread,
 // where alpha is null. V's rows: E elements, vs apart.
-// ahead > 0: each V row read prefetches the one `ahead` rows on, below c_lim.)
+// ahead.n > 0: each V row read prefetches the one ahead.n on in the order they are read:
+// each 64-column slab's rows in turn, then ahead.next's.)
 template <class E = F32>
 static void pv_range(const float* P, int ldP, const typename E::T* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
-                     int Dv, int r_lo, int r_hi, const float* alpha, int ahead = 0, int c_lim = 0) {
+                     int Dv, int r_lo, int r_hi, const float* alpha, const Ahead<typename E::T>& ahead = {}) {
+  // A slab's rows go on at the next slab's (the slabs' own columns are added by pv_block).
+  using T = typename E::T;
+  auto slab = [&](int v0, int w) {
+    if (v0 + w >= Dv || ahead.n == 0) return ahead;
+    return Ahead<T>{ahead.n, V + (int64_t)c_lo * vs + v0 + w, c_hi - c_lo};
+  };
   int v0 = 0;
-  for (; v0 + 64 <= Dv; v0 += 64) pv_rows<E, 4>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, ahead, c_lim);
-  if (Dv - v0 == 48) pv_rows<E, 3>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, ahead, c_lim);
-  else if (Dv - v0 == 32) pv_rows<E, 2>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, ahead, c_lim);
-  else if (Dv - v0 == 16) pv_rows<E, 1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, ahead, c_lim);
+  for (; v0 + 64 <= Dv; v0 += 64)
+    pv_rows<E, 4>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 64));
+  if (Dv - v0 == 48) pv_rows<E, 3>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 48));
+  else if (Dv - v0 == 32) pv_rows<E, 2>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 32));
+  else if (Dv - v0 == 16) pv_rows<E, 1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 16));
 }
 
 // C[c][v0 + 16 j] += sum_r A[c][r] X[r][v0 + 16 j] for c in [c0, c0 + MR), r in [r_lo, r_hi): the
@@ -566,7 +593,7 @@ static inline void write_row(const Problem& P, const ItemRows& R, int64_t r, con
 // lanes on nr rows.)
 template <class E, int NR>
 static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int D, int nr, float* St, int ldS,
-                        int c_lo, int c_hi, int ahead, int c_lim) {
+                        int c_lo, int c_hi, const Ahead<typename E::T>& ahead) {
   constexpr int NC = 16 / NR;
   const float* qrow[NR];
   for (int r = 0; r < NR; ++r) qrow[r] = Q + (int64_t)std::min(r, nr - 1) * D;
@@ -574,8 +601,9 @@ static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int 
     const int n = std::min(NC, c_hi - c0);
     const typename E::T* krow[NC];
     for (int i = 0; i < NC; ++i) krow[i] = K + (int64_t)(c0 + std::min(i, n - 1)) * ks;
-    for (int i = 0; i < n; ++i)
-      if (c0 + i + ahead < c_lim) prefetch_run(krow[i] + ahead * ks, D);
+    if (ahead.n > 0)
+      for (int i = 0; i < n; ++i)
+        if (const typename E::T* pf = ahead_row(ahead, K, ks, c0 + i, c_hi)) prefetch_run(pf, D);
     v16 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = fj_f(0.0f);
     for (int d = 0; d < D; d += 16) {
@@ -595,12 +623,12 @@ static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int 
 
 template <class E>
 static void qk_dot(const typename E::T* K, int64_t ks, const float* Q, int D, int nr, float* St, int ldS, int c_lo,
-                   int c_hi, int ahead, int c_lim) {
-  if (nr <= 1) qk_dot_rows<E, 1>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, c_lim);
-  else if (nr <= 2) qk_dot_rows<E, 2>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, c_lim);
-  else if (nr <= 4) qk_dot_rows<E, 4>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, c_lim);
-  else if (nr <= 8) qk_dot_rows<E, 8>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, c_lim);
-  else qk_dot_rows<E, 16>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, c_lim);
+                   int c_hi, const Ahead<typename E::T>& ahead) {
+  if (nr <= 1) qk_dot_rows<E, 1>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
+  else if (nr <= 2) qk_dot_rows<E, 2>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
+  else if (nr <= 4) qk_dot_rows<E, 4>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
+  else if (nr <= 8) qk_dot_rows<E, 8>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
+  else qk_dot_rows<E, 16>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
 }
 
 // The row of k and v (in units of Hkv * D floats) holding batch b's kv position kv0.
@@ -661,12 +689,12 @@ static inline void with_kv_type(int type, Fn f) {
   else f(F16{});
 }
 
-// The rows from a tile's first that lie in the same memory run (the sequence's contiguous
-// cache, or the tile's page), at least the tile's nc: prefetches stay below it.
-static inline int prefetch_limit(const Problem& P, int kv0, int nc) {
-  const int64_t run = P.page_size == 0 ? P.Skv - kv0 : P.page_size - kv0 % P.page_size;
-  return (int)std::max<int64_t>(nc, std::min<int64_t>(run, INT32_MAX));
-}
+// The rows a decode tile phase's reads go on to once its own are read (see Ahead): `rows` of
+// them at `at` (elements of k or v, which share the element type), Hkv * D elements apart.
+struct NextRows {
+  const void* at = nullptr;
+  int rows = 0;
+};
 
 static inline int64_t head_offset(const Problem& P, const ItemRows& R, int kv0, int64_t n) {
   const int64_t hkv = R.hq0 / (P.Hq / P.Hkv);
@@ -690,7 +718,7 @@ static void clip_ranges(const GroupState& gs, int ng, int a, int b, int* lo, int
 
 // Phase 2: scores St[c][r] of the columns [a, b) within the groups' ranges (then score_mod).
 static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scratch& w, int kv0, int nc, int a,
-                        int b) {
+                        int b, NextRows next) {
   const int nrp = (int)R.nrp, ng = nrp / 16, D = (int)P.D;
   int* lo = w.lo.data();
   int* hi = w.hi.data();
@@ -711,8 +739,9 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
   if (!gs.qr.empty()) {  // one 16-lane group: the decode product, on the cache's own elements
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
-      qk_dot<E>(static_cast<const typename E::T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, nrp, lo[0], hi[0],
-                P.ahead, prefetch_limit(P, kv0, nc));
+      using T = typename E::T;
+      qk_dot<E>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, nrp, lo[0], hi[0],
+                Ahead<T>{P.ahead, static_cast<const T*>(next.at), next.rows});
     });
     score(0, 16, lo[0], hi[0]);
   } else {  // (the lane-broadcast product reads each key element many times: widened first)
@@ -773,7 +802,7 @@ static void tile_softmax(const Problem& P, const ItemRows& R, GroupState& gs, bo
 
 // Phase 4: O = alpha O + P V over the columns [a, b) within each group's range.
 static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch& w, int kv0, int nc, int a,
-                    int b) {
+                    int b, NextRows next) {
   const int nrp = (int)R.nrp, ng = nrp / 16, nr = (int)R.nr, Dv = (int)P.Dv;
   int* lo = w.lo.data();
   int* hi = w.hi.data();
@@ -784,8 +813,9 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
   if (nrp == 16) {  // at most 16 rows: each value element is read once or a few times, in place
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
-      pv_range<E>(gs.s.data(), nrp, static_cast<const typename E::T*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv,
-                  Dv, 0, nr, gs.alpha.data(), P.ahead, prefetch_limit(P, kv0, nc));
+      using T = typename E::T;
+      pv_range<E>(gs.s.data(), nrp, static_cast<const T*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv, Dv, 0, nr,
+                  gs.alpha.data(), Ahead<T>{P.ahead, static_cast<const T*>(next.at), next.rows});
     });
     return;
   }
@@ -800,9 +830,12 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
 // Rows per chunk when an item's groups take a tile's phases in turn (32 measured best of 16,
 // 32 and 64: a 16k-token float32 step in 28.4, 27.2 and 33.2 ms, before the prefetch).
 static constexpr int kChunk = 32;
-// Rows ahead that a decode tile's reads prefetch (16 measured best of 4 to 64: 16k-token
-// steps at 87% of the probe's bandwidth in float32, 62% in bfloat16, against 81% and 43%
-// without).
+// Rows ahead, in the order they are read, that a decode tile's reads prefetch (16 measured
+// best of 4 to 64: 16k-token steps at 87% of the probe's bandwidth in float32, 62% in
+// bfloat16, against 81% and 43% without; then, once the prefetches followed the reads across
+// groups, chunks and phases rather than down one group's rows, where half of them landed in
+// the next chunk and left L1 before it was read, a bfloat16 step in 14.3 ms against 16.3 ms,
+// and 16 still as good as 8 to 32).
 static constexpr int kAhead = 16;
 
 // One item: a q block of Gi head groups over one share of their tile list (the partial
@@ -866,22 +899,44 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   for (int64_t j = 0; j < P.Gi; ++j) rows[j] = group_rows(P, base, j);
   // Several groups (all kv heads of a sequence) take the tile's rows in chunks of kChunk.
   const int chunk = P.Gi > 1 ? kChunk : (int)P.bkv;
+  auto tile_kv0 = [&](int t) {
+    return (int)((t < n_p ? P.kv_idx[row * P.wp + t] : P.fkv_idx[row * P.wf + t - n_p]) * P.bkv);
+  };
+  const size_t es = P.kv_type == kF32 ? 4 : 2;
+  // Group j's rows [a, a + n) of the tile at kv0 in k (or v), as NextRows.
+  auto at = [&](const void* base, int64_t j, int kv0, int a, int n) {
+    if (n <= 0) return NextRows{};
+    const int64_t width = base == P.k ? P.D : P.Dv;
+    return NextRows{static_cast<const char*>(base) + head_offset(P, rows[j], kv0 + a, width) * es, n};
+  };
   for (int t = t_lo; t < t_hi; ++t) {
     const bool partial = t < n_p;
-    const int kv0 = (int)((partial ? P.kv_idx[row * P.wp + t] : P.fkv_idx[row * P.wf + t - n_p]) * P.bkv);
+    const int kv0 = tile_kv0(t);
     const int nc = (int)std::min<int64_t>(P.bkv, P.kv_len - kv0);
     if (nc <= 0) continue;
-    // (Prefetching a whole tile or chunk ahead in one burst measured no faster; the reads
-    // themselves prefetch kAhead rows on, one row per row read.)
+    // The order the reads go in (the K phase's chunks, each for every group, then the V
+    // phase's, then the next tile's K), for their prefetches: after group j's rows of a chunk
+    // come the next group's, then the next chunk's, then the other phase's first. (Crossing
+    // between k and v needs rows of one width; prefetching a whole tile or chunk ahead in one
+    // burst measured no faster.)
+    const bool cross = P.D == P.Dv;
+    const int kv_n = t + 1 < t_hi ? tile_kv0(t + 1) : 0, nc_n = t + 1 < t_hi ? (int)std::min<int64_t>(P.bkv, P.kv_len - kv_n) : 0;
+    auto next = [&](const void* base, int64_t j, int a, int e) {
+      if (P.ahead == 0) return NextRows{};
+      if (j + 1 < P.Gi) return at(base, j + 1, kv0, a, e - a);
+      if (e < nc) return at(base, 0, kv0, e, std::min(chunk, nc - e));
+      if (!cross) return NextRows{};
+      return base == P.k ? at(P.v, 0, kv0, 0, std::min(chunk, nc)) : at(P.k, 0, kv_n, 0, std::min(chunk, nc_n));
+    };
     for (int64_t j = 0; j < P.Gi; ++j) tile_ranges(P, rows[j], w.grp[j], partial, kv0, nc);
     for (int a = 0; a < nc; a += chunk) {
       const int e = std::min(a + chunk, nc);
-      for (int64_t j = 0; j < P.Gi; ++j) tile_scores(P, rows[j], w.grp[j], w, kv0, nc, a, e);
+      for (int64_t j = 0; j < P.Gi; ++j) tile_scores(P, rows[j], w.grp[j], w, kv0, nc, a, e, next(P.k, j, a, e));
     }
     for (int64_t j = 0; j < P.Gi; ++j) tile_softmax(P, rows[j], w.grp[j], chunk < nc);
     for (int a = 0; a < nc; a += chunk) {
       const int e = std::min(a + chunk, nc);
-      for (int64_t j = 0; j < P.Gi; ++j) tile_pv(P, rows[j], w.grp[j], w, kv0, nc, a, e);
+      for (int64_t j = 0; j < P.Gi; ++j) tile_pv(P, rows[j], w.grp[j], w, kv0, nc, a, e, next(P.v, j, a, e));
     }
   }
   for (int64_t j = 0; j < P.Gi; ++j) {
