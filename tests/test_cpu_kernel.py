@@ -315,6 +315,38 @@ def test_decode_splits_the_kv_range():
         assert_close(f"step {pos}", step(q1, k[:1], v[:1], jnp.int32(pos)), want, want, jnp.float32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_tiles_without_mods_pack_their_scores(dtype):
+    """No score_mod: full decode tiles keep only their rows' scores, 16 / w columns to a vector
+    (w: the tile's rows rounded up to a power of two; GQA groups of 1, 2, 3, 4 and 8 rows),
+    while the diagonal tiles of the same items, masked, keep 16 lanes a column. Tiles of 36
+    columns leave a vector's tail past the last column. The cache idiom (a causal block mask
+    for the cache, each sequence's row at its own position), split shares; forward and lse
+    against the reference on the same inputs."""
+    L = 300
+    full = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=36)
+    pos = jnp.array([250, 76], jnp.int32)  # (q blocks whose rows all lie below L: full tiles)
+    # (The last two cases' scores spread over hundreds, and lie far below 0: a row max short
+    # of its row's largest score would overflow exp, and one past it, from any other lane,
+    # underflow every term.)
+    cases = [(2, 2, 1, ""), (4, 2, 1, ""), (6, 2, 1, ""), (8, 2, 1, ""), (8, 2, 2, ""), (4, 2, 1, "spread"),
+             (4, 2, 1, "far")]
+    for hq, hkv, sq, kind in cases:
+        q, k, v, _, _, _ = _decode_case(2, sq, hq, hkv, 32, L, [L, 77], seed=hq + sq)
+        if kind == "spread":
+            q = 40 * q
+        if kind == "far":
+            q, k = -40 * jnp.abs(q), jnp.abs(k)
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+        bm = flexjax.paged.decode_block_mask(full, pos, sq)
+        assert int(bm.full_kv_num_blocks[0, 0, 0]) == 6 and int(bm.kv_num_blocks[0, 0, 0]) == 1
+        run = jax.jit(lambda q, k, v, backend: flexjax.flex_attention(q, k, v, block_mask=bm, return_lse=True,
+                                                                      backend=backend), static_argnums=3)
+        assert "flexjax_cpu_forward" in run.lower(q, k, v, "xla").as_text(), "the C++ kernel did not run"
+        got, want = run(q, k, v, "xla"), run(q, k, v, "reference")
+        assert_close(f"{jnp.dtype(dtype).name} decode hq={hq} sq={sq} {kind}", got, want, want, dtype)
+
+
 @pytest.mark.parametrize("dtype,sq", [(jnp.bfloat16, 1), (jnp.float16, 1), (jnp.bfloat16, 17),
                                       pytest.param(jnp.float16, 17, marks=pytest.mark.slow)])
 def test_decode_reads_16bit_caches_in_place(dtype, sq):

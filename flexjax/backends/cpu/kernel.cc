@@ -550,6 +550,9 @@ struct GroupState {
   std::vector<float> s, mask, alpha;  // the current tile's scores (then P), mask, rows' rescale
   std::vector<int> lo, hi;            // and each 16-row group's kv range in it
   bool masked = false;
+  // The tile's scores packed (see tile_softmax_packed): column c's row r at s[c * ld_s + r].
+  bool packed = false;
+  int ld_s = 16;
 };
 
 struct Scratch {
@@ -615,11 +618,18 @@ static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int 
         for (int r = 0; r < NR; ++r) acc[i * NR + r] += kv * qv[r];
       }
     }
+    if (ldS == NR && n == NC) {  // packed columns: the sums are the columns' rows as they lie
+      fj_st(St + (int64_t)c0 * NR, hsum16(acc));
+      continue;
+    }
     alignas(64) float t[16];
     fj_st(t, hsum16(acc));  // lane i * NR + r: column c0 + i, row r
     for (int i = 0; i < n; ++i) std::memcpy(St + (int64_t)(c0 + i) * ldS, t + i * NR, sizeof(float) * NR);
   }
 }
+
+// The rows qk_dot computes for nr query rows (rows nr.. repeat the last).
+static inline int dot_rows(int nr) { return nr <= 1 ? 1 : nr <= 2 ? 2 : nr <= 4 ? 4 : nr <= 8 ? 8 : 16; }
 
 template <class E>
 static void qk_dot(const typename E::T* K, int64_t ks, const float* Q, int D, int nr, float* St, int ldS, int c_lo,
@@ -652,6 +662,9 @@ static inline int64_t kv_base(const Problem& P, int64_t b, int64_t kv0) {
 static void tile_ranges(const Problem& P, const ItemRows& R, GroupState& gs, bool partial, int kv0, int nc) {
   const int nrp = (int)R.nrp, ng = nrp / 16;
   gs.masked = partial && P.mask_fn;
+  // Tiles of the decode product with neither mod to apply keep only their rows' scores.
+  gs.packed = !gs.qr.empty() && !gs.masked && !P.score_fn && dot_rows((int)R.nr) < 16;
+  gs.ld_s = gs.packed ? dot_rows((int)R.nr) : nrp;
   if (gs.masked) {
     float* M = gs.mask.data();
     std::fill(M, M + (int64_t)nc * nrp, 0.0f);
@@ -740,7 +753,7 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
       using T = typename E::T;
-      qk_dot<E>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, nrp, lo[0], hi[0],
+      qk_dot<E>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, gs.ld_s, lo[0], hi[0],
                 Ahead<T>{P.ahead, static_cast<const T*>(next.at), next.rows});
     });
     score(0, 16, lo[0], hi[0]);
@@ -751,15 +764,65 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
   }
 }
 
+// Phase 3 of a packed tile (gs.packed: no mask, no score_mod, nr <= 8): its columns' rows
+// lie back to back, w = gs.ld_s (a power of two) per column, so each vector holds 16 / w
+// columns, and no lane is spent on padding rows.
+static void tile_softmax_packed(GroupState& gs) {
+  const int w = gs.ld_s, lo = gs.lo[0], hi = gs.hi[0];
+  const int n = std::max(hi - lo, 0) * w;  // the scores, from S + lo * w
+  float* S = gs.s.data() + (int64_t)lo * w;
+  float* m = gs.m.data();
+  float* l = gs.l.data();
+  vi16 lane;
+  for (int i = 0; i < 16; ++i) lane[i] = i;
+  // (The tail vector's lanes past n are read and written, never used: gs.s has 16 floats to
+  // spare past bkv * 16.)
+  v16 mx = fj_f(-FLT_MAX);
+  for (int i = 0; i < n; i += 16) {
+    const v16 x = fj_ld(S + i);
+    const v16 y = lane < n - i ? x : fj_f(-FLT_MAX);
+    mx = y > mx ? y : mx;
+  }
+  alignas(64) float t[16];
+  fj_st(t, mx);
+  for (int r = 0; r < w; ++r) {
+    float v = m[r];
+    for (int j = r; j < 16; j += w) v = std::max(v, t[j]);
+    t[r] = v;
+  }
+  alignas(64) float mt[16];
+  for (int i = 0; i < 16; ++i) mt[i] = t[i % w];  // lane i: the new max of row i % w
+  const v16 pm = fj_ld(mt);
+  v16 sum = fj_f(0.0f);
+  for (int i = 0; i < n; i += 16) {
+    const v16 e = vexp_le0(fj_ld(S + i) - pm);
+    fj_st(S + i, e);
+    sum += lane < n - i ? e : fj_f(0.0f);
+  }
+  fj_st(t, sum);
+  for (int r = 0; r < 16; ++r) {
+    float sr = 0.0f;
+    if (r < w)
+      for (int j = r; j < 16; j += w) sr += t[j];
+    // Lanes past w are no rows: their state stays as it is (alpha 1).
+    const float m_new = r < w ? mt[r] : m[r];
+    const float alpha = std::exp(m[r] - m_new);
+    l[r] = l[r] * alpha + sr;
+    m[r] = m_new;
+    gs.alpha[r] = alpha;
+  }
+}
+
 // Phase 3: the mask applied, the online softmax's new row max and sum, and P = exp(s - max)
 // in place; alpha, the rows' rescale, goes to gs.alpha, or (prescale: O is updated in
 // chunks) into O now, gs.alpha then 1.
 static void tile_softmax(const Problem& P, const ItemRows& R, GroupState& gs, bool prescale) {
-  const int nrp = (int)R.nrp, ng = nrp / 16, Dv = (int)P.Dv;
+  const int nrp = (int)R.nrp, ng = gs.packed ? 0 : nrp / 16, Dv = (int)P.Dv;
   float* S = gs.s.data();
   const float* M = gs.mask.data();
   float* m = gs.m.data();
   float* l = gs.l.data();
+  if (gs.packed) tile_softmax_packed(gs);
   for (int g = 0; g < ng; ++g) {
     const int r = 16 * g, lo = gs.lo[g], hi = gs.hi[g];
     v16 m_old = fj_ld(m + r), mx = m_old;
@@ -814,7 +877,7 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
       using T = typename E::T;
-      pv_range<E>(gs.s.data(), nrp, static_cast<const T*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv, Dv, 0, nr,
+      pv_range<E>(gs.s.data(), gs.ld_s, static_cast<const T*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv, Dv, 0, nr,
                   gs.alpha.data(), Ahead<T>{P.ahead, static_cast<const T*>(next.at), next.rows});
     });
     return;
@@ -852,7 +915,7 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   for (int64_t j = 0; j < P.Gi; ++j) {
     GroupState& gs = w.grp[j];
     const int64_t hq = R0.hq0 + j * P.Gp;
-    gs.s.resize((size_t)P.bkv * nrp);
+    gs.s.resize((size_t)P.bkv * nrp + 16);
     gs.mask.resize((size_t)P.bkv * nrp);
     gs.alpha.resize(nrp);
     gs.lo.resize(nrp / 16);
