@@ -158,28 +158,40 @@ static void qk_cols(const float* K, int64_t ks, const float* Qt, int ldq, int D,
 }
 
 // Prefetches the cache lines of n elements from p.
-template <class T>
+// (Locality 3: into L1, as prefetcht0; 1: into L2, prefetcht2.)
+template <int Locality = 3, class T>
 static inline void prefetch_run(const T* p, int n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int off = 0; off < n * (int)sizeof(T); off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int off = 0; off < n * (int)sizeof(T); off += 64) __builtin_prefetch(c + off, 0, Locality);
 }
 
-// Where a decode tile's row reads prefetch: the row n on in the order the rows are read.
-// Past a call's last row the order goes on at `next` (next_rows rows, the same stride: the
-// next kv head's rows, or the next chunk's). n == 0: no prefetch.
+// Where a decode tile's row reads prefetch: the rows n on (into L1) and far on (into L2) in
+// the order the rows are read. Past a call's last row the order goes on at `next`
+// (next_rows rows, the same stride: the next kv head's rows, or the next chunk's).
+// n == 0: no prefetch.
 template <class T>
 struct Ahead {
-  int n = 0;
+  int n = 0, far = 0;
   const T* next = nullptr;
   int next_rows = 0;
 };
 
-// The row n on from row c of rows [.., c_hi) at base (rows stride apart), or null past the order's end.
+// The row `by` on from row c of rows [.., c_hi) at base (rows stride apart), or null past
+// the order's end.
 template <class T>
-static inline const T* ahead_row(const Ahead<T>& a, const T* base, int64_t stride, int c, int c_hi) {
-  const int t = c + a.n;
+static inline const T* ahead_row(const Ahead<T>& a, int by, const T* base, int64_t stride, int c, int c_hi) {
+  const int t = c + by;
   if (t < c_hi) return base + (int64_t)t * stride;
   return t - c_hi < a.next_rows ? a.next + (int64_t)(t - c_hi) * stride : nullptr;
+}
+
+// Row c's prefetches (n elements of each row prefetched). (Inlined always: a call in the
+// PV loop would spill its accumulators; GCC did not inline it on its own.)
+template <class T>
+__attribute__((always_inline)) static inline void prefetch_ahead(const Ahead<T>& a, const T* base, int64_t stride, int c, int c_hi, int n) {
+  if (a.n == 0) return;
+  if (const T* p = ahead_row(a, a.n, base, stride, c, c_hi)) prefetch_run(p, n);
+  if (const T* p = ahead_row(a, a.far, base, stride, c, c_hi)) prefetch_run<1>(p, n);
 }
 
 // O[r][v0 + 16 j] += sum_c P[c][r] V[c][v0 + 16 j] for r in [r0, r0 + MR), c in [c_lo, c_hi).
@@ -194,8 +206,7 @@ static inline void pv_block(const float* P, int ldP, const typename E::T* V, int
     v16 vv[NV];
     const typename E::T* vr = V + (int64_t)c * vs + v0;
     for (int j = 0; j < NV; ++j) vv[j] = E::ld(vr + 16 * j);
-    if (ahead.n > 0)
-      if (const typename E::T* pf = ahead_row(ahead, V + v0, vs, c, c_hi)) prefetch_run(pf, 16 * NV);
+    prefetch_ahead(ahead, V + v0, vs, c, c_hi, 16 * NV);
     const float* pr = P + (int64_t)c * ldP + r0;
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
@@ -229,7 +240,7 @@ static void pv_range(const float* P, int ldP, const typename E::T* V, int64_t vs
   using T = typename E::T;
   auto slab = [&](int v0, int w) {
     if (v0 + w >= Dv || ahead.n == 0) return ahead;
-    return Ahead<T>{ahead.n, V + (int64_t)c_lo * vs + v0 + w, c_hi - c_lo};
+    return Ahead<T>{ahead.n, ahead.far, V + (int64_t)c_lo * vs + v0 + w, c_hi - c_lo};
   };
   int v0 = 0;
   for (; v0 + 64 <= Dv; v0 += 64)
@@ -541,7 +552,7 @@ struct Problem {
   int64_t page_size, max_pages, num_pages;
   float* part;  // nsplit > 1: per item and group, the unnormalized rows, row maxima, row sums
   int64_t part_stride;
-  int ahead;  // rows a decode tile's K and V reads prefetch ahead (0: none)
+  int ahead, ahead_far;  // rows a decode tile's K and V reads prefetch ahead into L1 and L2 (0: none)
 };
 
 struct GroupState {
@@ -604,9 +615,7 @@ static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int 
     const int n = std::min(NC, c_hi - c0);
     const typename E::T* krow[NC];
     for (int i = 0; i < NC; ++i) krow[i] = K + (int64_t)(c0 + std::min(i, n - 1)) * ks;
-    if (ahead.n > 0)
-      for (int i = 0; i < n; ++i)
-        if (const typename E::T* pf = ahead_row(ahead, K, ks, c0 + i, c_hi)) prefetch_run(pf, D);
+    for (int i = 0; i < n; ++i) prefetch_ahead(ahead, K, ks, c0 + i, c_hi, D);
     v16 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = fj_f(0.0f);
     for (int d = 0; d < D; d += 16) {
@@ -754,7 +763,7 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
       using E = decltype(e);
       using T = typename E::T;
       qk_dot<E>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, gs.ld_s, lo[0], hi[0],
-                Ahead<T>{P.ahead, static_cast<const T*>(next.at), next.rows});
+                Ahead<T>{P.ahead, P.ahead_far, static_cast<const T*>(next.at), next.rows});
     });
     score(0, 16, lo[0], hi[0]);
   } else {  // (the lane-broadcast product reads each key element many times: widened first)
@@ -878,7 +887,7 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
       using E = decltype(e);
       using T = typename E::T;
       pv_range<E>(gs.s.data(), gs.ld_s, static_cast<const T*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv, Dv, 0, nr,
-                  gs.alpha.data(), Ahead<T>{P.ahead, static_cast<const T*>(next.at), next.rows});
+                  gs.alpha.data(), Ahead<T>{P.ahead, P.ahead_far, static_cast<const T*>(next.at), next.rows});
     });
     return;
   }
@@ -893,13 +902,15 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
 // Rows per chunk when an item's groups take a tile's phases in turn (32 measured best of 16,
 // 32 and 64: a 16k-token float32 step in 28.4, 27.2 and 33.2 ms, before the prefetch).
 static constexpr int kChunk = 32;
-// Rows ahead, in the order they are read, that a decode tile's reads prefetch (16 measured
-// best of 4 to 64: 16k-token steps at 87% of the probe's bandwidth in float32, 62% in
-// bfloat16, against 81% and 43% without; then, once the prefetches followed the reads across
-// groups, chunks and phases rather than down one group's rows, where half of them landed in
-// the next chunk and left L1 before it was read, a bfloat16 step in 14.3 ms against 16.3 ms,
-// and 16 still as good as 8 to 32).
-static constexpr int kAhead = 16;
+// Rows ahead, in the order they are read, that a decode tile's reads prefetch into L1 and
+// into L2. History: one distance, down one group's rows, measured best at 16 of 4 to 64
+// (16k-token steps at 87% of the probe's bandwidth in float32, 62% in bfloat16, against 81%
+// and 43% without). Following the reads across groups, chunks and phases instead (half the
+// prefetches had landed in the next chunk and left L1 before it was read): a bfloat16 step
+// in 14.3 ms against 16.3 ms. Then 8 into L1 and 32 into L2 (a chunk, the farthest the order
+// is known): 12.2-12.8 ms against 13.6-13.8 at 16 alone, in float32 21.8 against 22.1-22.7;
+// 4 or 16 into L1, 24 into L2, or 64-row chunks with 48 or 64 into L2, no better.
+static constexpr int kAhead = 8, kAheadFar = 32;
 
 // One item: a q block of Gi head groups over one share of their tile list (the partial
 // tiles, then the full ones).
@@ -1068,6 +1079,7 @@ static void run_all(Problem& P, ffi::ThreadPool& pool) {
                                                                             (P.wp + P.wf + 1) / 2));
   const int64_t items = base * P.nsplit;
   P.ahead = P.Gi > 1 ? kAhead : 0;
+  P.ahead_far = kAheadFar;
   std::unique_ptr<WorkLease> work;
   if (P.nsplit > 1) {
     P.part_stride = ((nr + 15) / 16 * 16) * (P.Dv + 2);
