@@ -60,10 +60,13 @@ def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
 
     ``lo``/``hi``: int32 (Bt, n) rows (Bt 1 or the batch); ``shift``: a scalar or (B,)
     int32 array (may be traced). A tile is full where full in both rows, partial where
-    non-empty in either (the shifted mask_mod decides per pair: exact).
+    non-empty in either (the shifted mask_mod decides per pair: exact). ``hi is lo`` (one
+    query per sequence): the rows' own kv lists, gathered (no union to sort).
     """
     nq, nkv = bm.num_blocks
-    lo, hi = jnp.clip(lo, 0, nq - 1), jnp.clip(hi, 0, nq - 1)
+    one_row = hi is lo
+    lo = jnp.clip(lo, 0, nq - 1)
+    hi = lo if one_row else jnp.clip(hi, 0, nq - 1)
     kv_n, kv_i, fkv_n, fkv_i = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
     Bt = max(kv_n.shape[0], lo.shape[0])
     Hm = kv_n.shape[1]
@@ -79,10 +82,21 @@ def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
     def states(r):
         return jnp.maximum(row(kv_n, kv_i, r, PARTIAL), row(fkv_n, fkv_i, r, FULL))
 
-    a, b = states(lo), states(hi)
-    united = jnp.where((a == FULL) & (b == FULL), FULL,
-                       jnp.where((a != EMPTY) | (b != EMPTY), PARTIAL, EMPTY)).astype(jnp.int8)
-    lists = lists_from_states(united)
+    a = states(lo)
+    if one_row:
+        def gathered(n, idx):
+            n = jnp.broadcast_to(n, (Bt,) + n.shape[1:])
+            idx = jnp.broadcast_to(idx, (Bt,) + idx.shape[1:])
+            r = jnp.broadcast_to(lo[:, None, :], (Bt, Hm, lo.shape[-1]))
+            return jnp.take_along_axis(n, r, axis=2), jnp.take_along_axis(idx, r[..., None], axis=2)
+
+        # (The transposed lists still come from the states: only a backward reads them.)
+        lists = (*gathered(kv_n, kv_i), *gathered(fkv_n, fkv_i), *lists_from_states(a)[4:])
+    else:
+        b = states(hi)
+        united = jnp.where((a == FULL) & (b == FULL), FULL,
+                           jnp.where((a != EMPTY) | (b != EMPTY), PARTIAL, EMPTY)).astype(jnp.int8)
+        lists = lists_from_states(united)
     mask, consts = bm.mask, ()
     if bm.mask is not None:
         traced = trace_mod(_shifted(bm.mask, bm.mask_consts, shift, bm.seq_lengths[0]), "mask",
@@ -128,7 +142,8 @@ def decode_block_mask(block_mask: BlockMask, positions, q_len: int = 1) -> Block
     first = jnp.arange(n, dtype=jnp.int32) * bq
     last = jnp.minimum(first + bq, q_len) - 1
     p = pos.reshape(-1, 1)
-    return select_rows(block_mask, (p + first) // bq, (p + last) // bq, pos, int(q_len))
+    lo = (p + first) // bq
+    return select_rows(block_mask, lo, lo if q_len == 1 else (p + last) // bq, pos, int(q_len))
 
 
 # -- paged KV ------------------------------------------------------------------------------

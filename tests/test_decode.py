@@ -114,22 +114,41 @@ def test_decode_bfloat16():
     assert_close("bf16 decode", got, truth, ref16, jnp.bfloat16)
 
 
-@pytest.mark.slow
-def test_decode_block_mask_matches_offset_mask():
-    """decode_block_mask(bm, positions, q_len) == the mask built for those positions directly."""
-    L, sq = 256, 3
-    bm_full = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=32)
+@pytest.mark.parametrize("sq", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_decode_block_mask_matches_offset_mask(sq):
+    """decode_block_mask(bm, positions, q_len) == the mask built for those positions directly
+    (q_len = 1 gathers each sequence's row as it is; q_len = 3 unites the rows its queries
+    fall in), a per-head mask too; forward, and at q_len = 1 gradients (the backward walks
+    the transposed lists)."""
+    L = 256
+    window = jnp.array([7, 30, 50, 200], jnp.int32)
+
+    def per_head(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= q_idx - window[h])
+
     pos = jnp.array([70, 191], jnp.int32)  # 191 + 2 crosses a q-block boundary
-    q, k, v, _, _ = _inputs(sq, skv=L)
-    step_bm = jax.jit(lambda p: flexjax.paged.decode_block_mask(bm_full, p, sq))(pos)
-    assert step_bm.shape == (B, 1, sq, L)
-    direct = flexjax.create_block_mask(masks.causal_with_offset(pos), B, None, sq, L, block_size=32)
-    got = flexjax.flex_attention(q, k, v, block_mask=step_bm, backend="xla")
-    truth = flexjax.flex_attention(q, k, v, block_mask=direct, backend="reference")
-    assert_close("decode_block_mask", got, truth, truth, jnp.float32)
-    # Tiles past the position are absent: the row of batch 0 has blocks 0..2 only.
-    dense = np.asarray(step_bm.to_dense())
-    assert dense[0, 0, 0].sum() == 3 and dense[1, 0, 0].sum() == 7
+    q, k, v, do, _ = _inputs(sq, skv=L)
+    for mask, H in ((masks.causal, None), (per_head, HQ)):
+        bm_full = flexjax.create_block_mask(mask, None, H, L, L, block_size=32)
+        step_bm = jax.jit(lambda p: flexjax.paged.decode_block_mask(bm_full, p, sq))(pos)
+        assert step_bm.shape == (B, H or 1, sq, L)
+        shifted = lambda b, h, q_idx, kv_idx: mask(b, h, q_idx + pos[b], kv_idx)  # noqa: E731
+        direct = flexjax.create_block_mask(shifted, B, H, sq, L, block_size=32)
+
+        def loss(q, k, v, bm, backend):
+            return jnp.sum(flexjax.flex_attention(q, k, v, block_mask=bm, backend=backend) * do)
+
+        got = flexjax.flex_attention(q, k, v, block_mask=step_bm, backend="xla")
+        truth = flexjax.flex_attention(q, k, v, block_mask=direct, backend="reference")
+        assert_close(f"decode_block_mask sq={sq} H={H}", got, truth, truth, jnp.float32)
+        if sq == 1:
+            got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, step_bm, "xla")
+            truth = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, direct, "reference")
+            assert_close(f"decode_block_mask grads H={H}", got, truth, truth, jnp.float32)
+    # Tiles past the position are absent: the causal row of batch 0 has blocks 0..2 only.
+    bm_full = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=32)
+    dense = np.asarray(flexjax.paged.decode_block_mask(bm_full, pos, sq).to_dense())
+    assert dense[0, 0, 0].sum() == 3 and dense[1, 0, 0].sum() == (6 if sq == 1 else 7)
 
 
 def test_getitem_rows_traced():
