@@ -188,7 +188,8 @@ static inline const T* ahead_row(const Ahead<T>& a, int by, const T* base, int64
 // Row c's prefetches (n elements of each row prefetched). (Inlined always: a call in the
 // PV loop would spill its accumulators; GCC did not inline it on its own.)
 template <class T>
-__attribute__((always_inline)) static inline void prefetch_ahead(const Ahead<T>& a, const T* base, int64_t stride, int c, int c_hi, int n) {
+__attribute__((always_inline)) static inline void prefetch_ahead(const Ahead<T>& a, const T* base, int64_t stride,
+                                                                int c, int c_hi, int n) {
   if (a.n == 0) return;
   if (const T* p = ahead_row(a, a.n, base, stride, c, c_hi)) prefetch_run(p, n);
   if (const T* p = ahead_row(a, a.far, base, stride, c, c_hi)) prefetch_run<1>(p, n);
@@ -231,8 +232,8 @@ static void pv_rows(const float* P, int ldP, const typename E::T* V, int64_t vs,
 // O rows [r_lo, r_hi) = alpha O + P^T V over kv rows [c_lo, c_hi) (alpha: the rows' softmax rescale).
 // (O's rows are ldo floats apart; Dv of them are updated, or written, O's old rows unread,
 // where alpha is null. V's rows: E elements, vs apart.
-// ahead.n > 0: each V row read prefetches the one ahead.n on in the order they are read:
-// each 64-column slab's rows in turn, then ahead.next's.)
+// ahead.n > 0: each V row read prefetches the ones ahead.n and ahead.far on in the order
+// they are read: each 64-column slab's rows in turn, then ahead.next's.)
 template <class E = F32>
 static void pv_range(const float* P, int ldP, const typename E::T* V, int64_t vs, int c_lo, int c_hi, float* O, int ldo,
                      int Dv, int r_lo, int r_hi, const float* alpha, const Ahead<typename E::T>& ahead = {}) {
@@ -994,7 +995,8 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     // between k and v needs rows of one width; prefetching a whole tile or chunk ahead in one
     // burst measured no faster.)
     const bool cross = P.D == P.Dv;
-    const int kv_n = t + 1 < t_hi ? tile_kv0(t + 1) : 0, nc_n = t + 1 < t_hi ? (int)std::min<int64_t>(P.bkv, P.kv_len - kv_n) : 0;
+    const int kv_n = t + 1 < t_hi ? tile_kv0(t + 1) : 0;
+    const int nc_n = t + 1 < t_hi ? (int)std::min<int64_t>(P.bkv, P.kv_len - kv_n) : 0;
     auto next = [&](const void* base, int64_t j, int a, int e) {
       if (P.ahead == 0) return NextRows{};
       if (j + 1 < P.Gi) return at(base, j + 1, kv0, a, e - a);
