@@ -1088,7 +1088,12 @@ static void run_all(Problem& P, ffi::ThreadPool& pool) {
     work = std::make_unique<WorkLease>((size_t)(items * P.Gi * P.part_stride));
     P.part = work->data();
   }
-  run_parallel<Scratch>(pool, items, items, [&P](int64_t i, int64_t, Scratch& w) { run_item(P, i, w); });
+  // Each thread keeps its scratch between calls: a decode step's first items would otherwise
+  // allocate (and fault in) every group's tile buffers again.
+  run_parallel<NoScratch>(pool, items, items, [&P](int64_t i, int64_t, NoScratch&) {
+    thread_local Scratch w;
+    run_item(P, i, w);
+  });
   if (P.nsplit > 1)
     run_parallel<NoScratch>(pool, base, base, [&P](int64_t i, int64_t, NoScratch&) { merge_item(P, i); });
 }
