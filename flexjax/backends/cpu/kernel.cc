@@ -978,11 +978,12 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     return (int)((t < n_p ? P.kv_idx[row * P.wp + t] : P.fkv_idx[row * P.wf + t - n_p]) * P.bkv);
   };
   const size_t es = P.kv_type == kF32 ? 4 : 2;
-  // Group j's rows [a, a + n) of the tile at kv0 in k (or v), as NextRows.
-  auto at = [&](const void* base, int64_t j, int kv0, int a, int n) {
+  // Group j's rows [a, a + n) of the tile at kv0 in v (v_phase) or k, as NextRows. (By phase,
+  // not by pointer: k and v may be one buffer.)
+  auto at = [&](bool v_phase, int64_t j, int kv0, int a, int n) {
     if (n <= 0) return NextRows{};
-    const int64_t width = base == P.k ? P.D : P.Dv;
-    return NextRows{static_cast<const char*>(base) + head_offset(P, rows[j], kv0 + a, width) * es, n};
+    const void* base = v_phase ? P.v : P.k;
+    return NextRows{static_cast<const char*>(base) + head_offset(P, rows[j], kv0 + a, v_phase ? P.Dv : P.D) * es, n};
   };
   for (int t = t_lo; t < t_hi; ++t) {
     const bool partial = t < n_p;
@@ -997,22 +998,22 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     const bool cross = P.D == P.Dv;
     const int kv_n = t + 1 < t_hi ? tile_kv0(t + 1) : 0;
     const int nc_n = t + 1 < t_hi ? (int)std::min<int64_t>(P.bkv, P.kv_len - kv_n) : 0;
-    auto next = [&](const void* base, int64_t j, int a, int e) {
+    auto next = [&](bool v_phase, int64_t j, int a, int e) {
       if (P.ahead == 0) return NextRows{};
-      if (j + 1 < P.Gi) return at(base, j + 1, kv0, a, e - a);
-      if (e < nc) return at(base, 0, kv0, e, std::min(chunk, nc - e));
+      if (j + 1 < P.Gi) return at(v_phase, j + 1, kv0, a, e - a);
+      if (e < nc) return at(v_phase, 0, kv0, e, std::min(chunk, nc - e));
       if (!cross) return NextRows{};
-      return base == P.k ? at(P.v, 0, kv0, 0, std::min(chunk, nc)) : at(P.k, 0, kv_n, 0, std::min(chunk, nc_n));
+      return v_phase ? at(false, 0, kv_n, 0, std::min(chunk, nc_n)) : at(true, 0, kv0, 0, std::min(chunk, nc));
     };
     for (int64_t j = 0; j < P.Gi; ++j) tile_ranges(P, rows[j], w.grp[j], partial, kv0, nc);
     for (int a = 0; a < nc; a += chunk) {
       const int e = std::min(a + chunk, nc);
-      for (int64_t j = 0; j < P.Gi; ++j) tile_scores(P, rows[j], w.grp[j], w, kv0, nc, a, e, next(P.k, j, a, e));
+      for (int64_t j = 0; j < P.Gi; ++j) tile_scores(P, rows[j], w.grp[j], w, kv0, nc, a, e, next(false, j, a, e));
     }
     for (int64_t j = 0; j < P.Gi; ++j) tile_softmax(P, rows[j], w.grp[j], chunk < nc);
     for (int a = 0; a < nc; a += chunk) {
       const int e = std::min(a + chunk, nc);
-      for (int64_t j = 0; j < P.Gi; ++j) tile_pv(P, rows[j], w.grp[j], w, kv0, nc, a, e, next(P.v, j, a, e));
+      for (int64_t j = 0; j < P.Gi; ++j) tile_pv(P, rows[j], w.grp[j], w, kv0, nc, a, e, next(true, j, a, e));
     }
   }
   for (int64_t j = 0; j < P.Gi; ++j) {
