@@ -71,27 +71,22 @@ def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
     Bt = max(kv_n.shape[0], lo.shape[0])
     Hm = kv_n.shape[1]
 
-    def row(n, idx, r, value):
+    def gathered(n, idx, r):  # rows r of one list pair: counts (Bt, Hm, n), indices (Bt, Hm, n, W)
         n = jnp.broadcast_to(n, (Bt,) + n.shape[1:])
         idx = jnp.broadcast_to(idx, (Bt,) + idx.shape[1:])
         r = jnp.broadcast_to(r[:, None, :], (Bt, Hm, r.shape[-1]))
-        n_r = jnp.take_along_axis(n, r, axis=2)
-        idx_r = jnp.take_along_axis(idx, r[..., None], axis=2)
-        return _states_from_lists(n_r, idx_r, value, nkv)
+        return jnp.take_along_axis(n, r, axis=2), jnp.take_along_axis(idx, r[..., None], axis=2)
+
+    def row(n, idx, r, value):
+        return _states_from_lists(*gathered(n, idx, r), value, nkv)
 
     def states(r):
         return jnp.maximum(row(kv_n, kv_i, r, PARTIAL), row(fkv_n, fkv_i, r, FULL))
 
     a = states(lo)
     if one_row:
-        def gathered(n, idx):
-            n = jnp.broadcast_to(n, (Bt,) + n.shape[1:])
-            idx = jnp.broadcast_to(idx, (Bt,) + idx.shape[1:])
-            r = jnp.broadcast_to(lo[:, None, :], (Bt, Hm, lo.shape[-1]))
-            return jnp.take_along_axis(n, r, axis=2), jnp.take_along_axis(idx, r[..., None], axis=2)
-
         # (The transposed lists still come from the states: only a backward reads them.)
-        lists = (*gathered(kv_n, kv_i), *gathered(fkv_n, fkv_i), *lists_from_states(a)[4:])
+        lists = (*gathered(kv_n, kv_i, lo), *gathered(fkv_n, fkv_i, lo), *lists_from_states(a)[4:])
     else:
         b = states(hi)
         united = jnp.where((a == FULL) & (b == FULL), FULL,
