@@ -322,7 +322,7 @@ def test_decode_tiles_without_mods_pack_their_scores(dtype):
     while the diagonal tiles of the same items, masked, keep 16 lanes a column. Tiles of 36
     columns leave a vector's tail past the last column. The cache idiom (a causal block mask
     for the cache, each sequence's row at its own position), split shares; forward and lse
-    against the reference on the same inputs."""
+    against the reference on the same inputs, and (float32) gradients."""
     L = 300
     full = flexjax.create_block_mask(masks.causal, None, None, L, L, block_size=36)
     pos = jnp.array([250, 76], jnp.int32)  # (q blocks whose rows all lie below L: full tiles)
@@ -345,6 +345,12 @@ def test_decode_tiles_without_mods_pack_their_scores(dtype):
         assert "flexjax_cpu_forward" in run.lower(q, k, v, "xla").as_text(), "the C++ kernel did not run"
         got, want = run(q, k, v, "xla"), run(q, k, v, "reference")
         assert_close(f"{jnp.dtype(dtype).name} decode hq={hq} sq={sq} {kind}", got, want, want, dtype)
+        if dtype == jnp.float32 and kind == "" and (hq, sq) in ((4, 1), (8, 2)):  # through its residuals
+            do = jax.random.normal(jax.random.key(hq), got[0].shape)
+            grads = jax.jit(jax.grad(lambda q, k, v, backend: jnp.sum(run(q, k, v, backend)[0] * do),
+                                     argnums=(0, 1, 2)), static_argnums=3)
+            want_g = grads(q, k, v, "reference")
+            assert_close(f"decode grads hq={hq} sq={sq}", grads(q, k, v, "xla"), want_g, want_g, dtype)
 
 
 @pytest.mark.parametrize("dtype,sq", [(jnp.bfloat16, 1), (jnp.float16, 1), (jnp.bfloat16, 17),
