@@ -353,6 +353,48 @@ def test_decode_tiles_without_mods_pack_their_scores(dtype):
             assert_close(f"decode grads hq={hq} sq={sq}", grads(q, k, v, "xla"), want_g, want_g, dtype)
 
 
+def test_decode_bfloat16_pair_products():
+    """A bfloat16 cache on a CPU with AVX512-BF16: the decode product dots query rows that hold
+    bfloat16 values with the keys two elements a lane, and takes P V two kv rows at a time
+    with P rounded to bfloat16 (as the GPU kernels take P in the value dtype). Windows of 7
+    keys at odd positions put the ranges' ends on odd rows, in tiles of 36 and a last tile of
+    17 rows; the rows just outside each range hold NaN, which a pair's partner row must not
+    read. GQA groups of 1, 2, 4 and 8 rows (packed scores) and a score_mod (16 lanes a
+    column), head dims of 48 (neither pair product: the widened ones) and 96, two kv heads an
+    item; against the reference on the same values, within what rounding P to bfloat16
+    allows. (Without AVX512-BF16 the widened products run: the same checks.)"""
+    L, W = 305, 7
+    win = flexjax.create_block_mask(masks.sliding_window(W), None, None, L, L, block_size=36)
+    pos = jnp.array([303, 100, 41], jnp.int32)  # windows [297, 303], [94, 100], [35, 41]
+    kv = jnp.arange(L)
+    poison = (kv[None, :] == pos[:, None] - W - 1) | (kv[None, :] == pos[:, None] + 1)  # rows just outside
+
+    def shift(s, b, h, q_idx, kv_idx):
+        return s + 0.25 * ((h + kv_idx) % 3).astype(s.dtype)
+
+    for g, hkv, d, score in [(1, 1, 64, None), (2, 1, 64, None), (4, 1, 64, None), (8, 1, 64, None),
+                             (4, 1, 64, shift), (4, 1, 48, None), (4, 2, 96, None)]:
+        ks = jax.random.split(jax.random.key(g * d), 3)
+        q = jax.random.normal(ks[0], (3, 1, g * hkv, d)).astype(jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (3, L, hkv, d)).astype(jnp.bfloat16) for kk in ks[1:])
+        kp, vp = (jnp.where(poison[:, :, None, None], jnp.nan, x).astype(jnp.bfloat16) for x in (k, v))
+        bm = flexjax.paged.decode_block_mask(win, pos)
+        run = jax.jit(lambda q, k, v, backend: flexjax.flex_attention(q, k, v, score, bm, return_lse=True,
+                                                                      backend=backend), static_argnums=3)
+        assert "flexjax_cpu_forward" in run.lower(q, kp, vp, "xla").as_text(), "the C++ kernel did not run"
+        # (The reference's dense P V multiplies the masked NaN rows by 0: it runs on the clean cache.)
+        (out, lse), (want, want_lse) = run(q, kp, vp, "xla"), run(q, k, v, "reference")
+        out, want = out.astype(jnp.float32), want.astype(jnp.float32)
+        what = f"g={g} hkv={hkv} d={d} score={score is not None}"
+        assert bool(jnp.isfinite(out).all()), f"{what}: a row outside the range reached the output"
+        # P rounded to bfloat16 moves each term by 2^-9 of p |v| at most, and the bfloat16
+        # output rounds by 2^-9 of |out|: within 1% of the largest |out|, where a row lost or
+        # misplaced (a 7th of the weight) moves an output row by ~0.1.
+        err, tol = float(jnp.abs(out - want).max()), 1e-2 * max(1.0, float(jnp.abs(want).max()))
+        assert err < tol, f"{what}: max abs error {err} (tolerance {tol})"
+        assert float(jnp.abs(lse - want_lse).max()) < 1e-3, what
+
+
 @pytest.mark.parametrize("dtype,sq", [(jnp.bfloat16, 1), (jnp.float16, 1), (jnp.bfloat16, 17),
                                       pytest.param(jnp.float16, 17, marks=pytest.mark.slow)])
 def test_decode_reads_16bit_caches_in_place(dtype, sq):

@@ -81,6 +81,25 @@ def _cpu_has_avx512() -> bool:
 
 
 @functools.cache
+def _cpu_id() -> str:
+    """The CPU's vendor, family, model and flags: builds use ``-march=native``, so a cache
+    directory shared by different machines must not hand one a library built for another."""
+    keys = ("vendor_id", "cpu family", "model", "model name", "flags")
+    seen: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in keys:
+                    seen.setdefault(key.strip(), value.strip())
+                if len(seen) == len(keys):
+                    break
+    except OSError:
+        pass
+    return "\n".join(f"{k}: {seen.get(k, '')}" for k in keys)
+
+
+@functools.cache
 def _compiler_id(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -129,7 +148,8 @@ def _precompiled_header(cxx: str, header: str, out_dir: Path) -> Path | None:
     compiler and flags), or None where the compiler cannot make one (the mods then parse
     vec.h themselves, with the same result)."""
     flags = [f for f in _FLAGS if f != "-shared"]
-    digest = hashlib.sha256("\n".join([header, cxx, _compiler_id(cxx), " ".join(flags)]).encode()).hexdigest()[:24]
+    key = "\n".join([header, cxx, _compiler_id(cxx), " ".join(flags), _cpu_id()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     final = out_dir / f"pch-{digest}"
     if (final / "vec.h.gch").exists():
         return final
@@ -156,7 +176,7 @@ def _build(source: str, name: str) -> Path:
     include = jax.ffi.include_dir()
     header = (_HERE / "vec.h").read_text()  # included by the kernel and every generated mod
     digest = hashlib.sha256("\n".join([source, header, cxx, _compiler_id(cxx), " ".join(_FLAGS), include,
-                                       jax.__version__]).encode()).hexdigest()[:24]
+                                       jax.__version__, _cpu_id()]).encode()).hexdigest()[:24]
     out_dir = _cache_dir()
     out = out_dir / f"{name}-{digest}.so"
     if out.exists():
@@ -252,9 +272,13 @@ def _decode_step(q) -> bool:
 
 
 def _native_kv(q, k, v) -> bool:
-    """Whether the forward reads k and v in their own 16-bit dtype (each tile's rows widened to
-    float32 as they are read; exact). For decode steps, whose cost is reading the cache: a
-    longer query reads each tile many times, and XLA widens the whole of k and v once."""
+    """Whether the forward reads k and v in their own 16-bit dtype. For decode steps, whose
+    cost is reading the cache: a longer query reads each tile many times, and XLA widens the
+    whole of k and v once. Each tile's rows are widened to float32 as they are read (exact),
+    except where the CPU has AVX512-BF16 and the cache is bfloat16: the decode product (at
+    most 16 rows a tile) then dots the bfloat16 elements as they are (each product exact,
+    sums in float32) and takes P rounded to bfloat16 for P V, as the pallas and triton
+    kernels (and PyTorch's) take P in the value dtype."""
     return (_decode_step(q) and k.dtype == v.dtype and k.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0)
 

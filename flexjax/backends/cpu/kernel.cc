@@ -7,10 +7,12 @@
 //
 // Layout: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv), out (B, Sq, Hq, Dv),
 // float32, read in place. The forward also reads bfloat16 and float16 k and v (decode
-// caches), widening their rows to float32 (exactly) as it loads them. A score tile is held
-// transposed, St[c][r] (kv position c, query row r), so that one query tile's rows are the
-// vector lanes: the softmax's row max and row sum are lane-wise, and only the (D, rows)
-// query tile is ever transposed (once per q block), never the keys.
+// caches), widening their rows to float32 (exactly) as it loads them, or, with AVX512-BF16
+// and a bfloat16 cache, taking the decode product's dots on the bfloat16 elements as they lie
+// (PairDot, pv_pair_range). A score tile is held transposed, St[c][r] (kv position c, query
+// row r), so that one query tile's rows are the vector lanes: the softmax's row max and row
+// sum are lane-wise, and only the (D, rows) query tile is ever transposed (once per q block),
+// never the keys.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -31,11 +33,12 @@
 namespace ffi = xla::ffi;
 
 // Whether any lane of a mask row (0 allowed, -inf excluded) is allowed.
-static inline bool allowed_any(v16 x) {
+static inline bool allowed_any(v16 x, int lanes = 16) {  // (of its first `lanes` lanes)
 #if defined(__AVX512F__)
-  return _mm512_cmp_ps_mask((__m512)x, _mm512_setzero_ps(), _CMP_EQ_OQ) != 0;
+  const __mmask16 m = lanes >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << lanes) - 1);
+  return _mm512_mask_cmp_ps_mask(m, (__m512)x, _mm512_setzero_ps(), _CMP_EQ_OQ) != 0;
 #else
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < lanes && i < 16; ++i)
     if (x[i] == 0.0f) return true;
   return false;
 #endif
@@ -96,7 +99,7 @@ struct F16 {
 
 // Lane k of the result is the sum of a[k]'s 16 lanes: a reduction tree of pairwise
 // interleaves (30 shuffles, where a 16 x 16 transpose then 15 adds takes 64).
-static inline v16 hsum16(const v16 a[16]) {
+__attribute__((always_inline)) static inline v16 hsum16(const v16 a[16]) {
 #if defined(__AVX512F__)
   const __m512* x = reinterpret_cast<const __m512*>(a);
   __m512 b[8], c[4], e[2];
@@ -251,6 +254,133 @@ static void pv_range(const float* P, int ldP, const typename E::T* V, int64_t vs
   else if (Dv - v0 == 16) pv_rows<E, 1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 16));
 }
 
+#if defined(__AVX512BF16__)
+// The decode product's PV over a bfloat16 cache with AVX512-BF16 (as the pallas and triton
+// kernels, and PyTorch's, take P in the value dtype for it): P rounded to bfloat16, and the
+// products P[c][r] V[c][d] + P[c+1][r] V[c+1][d] of two kv rows at a time by VDPBF16PS (each
+// exact, summed in float32; alpha is never null here). Its accumulators hold O's rows in pair
+// order: a 32-column block at d0 lies as 16 lanes of its columns d0 + 8 L + i, then 16 of
+// d0 + 8 L + 4 + i (lane 4 L + i; L, i < 4), as VPUNPCK{L,H}WD leave two rows' 32 elements;
+// pair_order_rows restores the columns' order.
+
+// PP[t * w + r] (w: the rows a column of S holds, S[c * w + r]): row r's P at columns 2t (low
+// half) and 2t + 1, rounded to nearest even, 0 outside [lo, hi). (Reads S up to column
+// hi + 32 / w, writes PP up to word (hi / 2 + 1) * w + 16.)
+static void pair_probs(const float* S, int w, int lo, int hi, uint32_t* PP) {
+  const int per = 32 / w;  // columns a step (two vectors of S)
+  alignas(64) int16_t idx[32];
+  alignas(64) int32_t ca[16], cb[16];
+  for (int k = 0; k < 16; ++k) {  // word k: row k % w of the step's pair k / w
+    const int t = k / w, r = k % w;
+    idx[2 * k] = (int16_t)(2 * t * w + r);
+    idx[2 * k + 1] = (int16_t)((2 * t + 1) * w + r);
+    ca[k] = k / w;
+    cb[k] = (16 + k) / w;
+  }
+  const __m512i perm = _mm512_load_si512(idx);
+  const vi16 col_a = *(const vi16*)ca, col_b = *(const vi16*)cb;
+  for (int c = lo & ~1; c < hi; c += per) {
+    v16 a = fj_ld(S + (int64_t)c * w), b = fj_ld(S + (int64_t)c * w + 16);
+    const vi16 ka = col_a + c, kb = col_b + c;
+    a = (ka >= lo) & (ka < hi) ? a : fj_f(0.0f);
+    b = (kb >= lo) & (kb < hi) ? b : fj_f(0.0f);
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a);  // a's 16, then b's
+    _mm512_storeu_si512(PP + (int64_t)(c / 2) * w, _mm512_permutexvar_epi16(perm, h));
+  }
+}
+
+// One pair of kv rows (2t, 2t + 1 at va, vs apart) of pv_pair_block: Masked, the rows m0 and
+// m1 leave out read as zeros (masked loads, which do not touch them).
+template <int MR, int NL, bool Masked>
+__attribute__((always_inline)) static inline void pv_pair_step(__m512 (&acc)[MR][2 * NL], const uint32_t* pr,
+                                                               const uint16_t* va, int64_t vs, __mmask32 m0,
+                                                               __mmask32 m1) {
+  __m512bh lo[NL], hi[NL];
+  for (int l = 0; l < NL; ++l) {
+    const __m512i a = Masked ? _mm512_maskz_loadu_epi16(m0, va + 32 * l) : _mm512_loadu_si512(va + 32 * l);
+    const __m512i b = Masked ? _mm512_maskz_loadu_epi16(m1, va + vs + 32 * l) : _mm512_loadu_si512(va + vs + 32 * l);
+    lo[l] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+    hi[l] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pr[i]);
+    for (int l = 0; l < NL; ++l) {
+      acc[i][2 * l] = _mm512_dpbf16_ps(acc[i][2 * l], lo[l], pb);
+      acc[i][2 * l + 1] = _mm512_dpbf16_ps(acc[i][2 * l + 1], hi[l], pb);
+    }
+  }
+}
+
+// O[r0 + i][v0 .. v0 + 32 NL) (pair order) = alpha O + the pairs of kv rows over [c_lo, c_hi)
+// (rows outside it read as zeros): PP's word t * ldP + r0 + i against V rows 2t and 2t + 1.
+// (The boundary pairs take masked loads apart from the loop: in it, GCC spilled the
+// accumulators.)
+template <int MR, int NL>
+static inline void pv_pair_block(const uint32_t* PP, int ldP, const uint16_t* V, int64_t vs, int c_lo, int c_hi,
+                                 float* O, int ldo, int r0, int v0, const float* alpha, const Ahead<uint16_t>& ahead) {
+  __m512 acc[MR][2 * NL];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NL; ++j)
+      acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j), _mm512_set1_ps(alpha[r0 + i]));
+  auto pr = [&](int c) { return PP + (int64_t)(c / 2) * ldP + r0; };
+  auto va = [&](int c) { return V + (int64_t)c * vs + v0; };
+  int c = c_lo & ~1;
+  if (c < c_lo || c + 1 >= c_hi) {  // a first pair with one row in the range
+    pv_pair_step<MR, NL, true>(acc, pr(c), va(c), vs, c >= c_lo ? ~0u : 0u, c + 1 < c_hi ? ~0u : 0u);
+    c += 2;
+  }
+  for (; c + 1 < c_hi; c += 2) {
+    pv_pair_step<MR, NL, false>(acc, pr(c), va(c), vs, 0, 0);
+    prefetch_ahead(ahead, V + v0, vs, c, c_hi, 32 * NL);
+    prefetch_ahead(ahead, V + v0, vs, c + 1, c_hi, 32 * NL);
+  }
+  if (c < c_hi) pv_pair_step<MR, NL, true>(acc, pr(c), va(c), vs, ~0u, 0u);  // a last row alone
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * NL; ++j) _mm512_storeu_ps(O + (int64_t)(r0 + i) * ldo + v0 + 16 * j, acc[i][j]);
+}
+
+template <int NL>
+static void pv_pair_rows(const uint32_t* PP, int ldP, const uint16_t* V, int64_t vs, int c_lo, int c_hi, float* O,
+                         int ldo, int r_lo, int r_hi, int v0, const float* alpha, const Ahead<uint16_t>& ahead) {
+  int r = r_lo;
+  for (; r + 4 <= r_hi; r += 4) pv_pair_block<4, NL>(PP, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead);
+  for (; r + 2 <= r_hi; r += 2) pv_pair_block<2, NL>(PP, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead);
+  for (; r < r_hi; ++r) pv_pair_block<1, NL>(PP, ldP, V, vs, c_lo, c_hi, O, ldo, r, v0, alpha, ahead);
+}
+
+// pv_range's pair form (Dv: a multiple of 32): O rows [r_lo, r_hi) in pair order.
+static void pv_pair_range(const uint32_t* PP, int ldP, const uint16_t* V, int64_t vs, int c_lo, int c_hi, float* O,
+                          int ldo, int Dv, int r_lo, int r_hi, const float* alpha, const Ahead<uint16_t>& ahead) {
+  auto slab = [&](int v0, int w) {
+    if (v0 + w >= Dv || ahead.n == 0) return ahead;
+    return Ahead<uint16_t>{ahead.n, ahead.far, V + (int64_t)(c_lo & ~1) * vs + v0 + w, c_hi - (c_lo & ~1)};
+  };
+  int v0 = 0;
+  for (; v0 + 64 <= Dv; v0 += 64)
+    pv_pair_rows<2>(PP, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 64));
+  if (Dv - v0 == 32) pv_pair_rows<1>(PP, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 32));
+}
+
+// n rows of O (ld floats apart, Dv a multiple of 32) from pair order to column order.
+static void pair_order_rows(float* O, int64_t ld, int n, int Dv) {
+  alignas(64) int32_t i0[16], i1[16];
+  for (int j = 0; j < 16; ++j) {  // column d = 8 L + 4 h + i of a block lies at 16 h + 4 L + i
+    const int d0 = j, d1 = 16 + j;
+    i0[j] = 16 * ((d0 / 4) % 2) + 4 * (d0 / 8) + d0 % 4;
+    i1[j] = 16 * ((d1 / 4) % 2) + 4 * (d1 / 8) + d1 % 4;
+  }
+  const __m512i x0 = _mm512_load_si512(i0), x1 = _mm512_load_si512(i1);
+  for (int r = 0; r < n; ++r)
+    for (int d = 0; d < Dv; d += 32) {
+      float* o = O + (int64_t)r * ld + d;
+      const __m512 a = _mm512_loadu_ps(o), b = _mm512_loadu_ps(o + 16);
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, x0, b));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, x1, b));
+    }
+}
+#endif
+
 // C[c][v0 + 16 j] += sum_r A[c][r] X[r][v0 + 16 j] for c in [c0, c0 + MR), r in [r_lo, r_hi): the
 // backward's dV += P^T dO and dK += dS^T Q, with A a transposed tile and X's rows xs apart.
 template <int MR, int NV>
@@ -313,9 +443,9 @@ static void tn_tile(const float* A, int ldA, const float* X, int64_t xs, const i
   else if (Dc - v0 == 16) tn_rows<1>(A, ldA, X, xs, rlo, rhi, C, Dc, nc, v0);
 }
 
-// Each 16-row group g's kv range [lo[g], hi[g]): the columns where any of its rows is allowed
+// Each 16-row group g's kv range [lo[g], hi[g]): the columns where any of its rows (those below nr) is allowed
 // by the mask tile M (0 allowed, -inf not); lo > hi when none is.
-static void group_ranges(const float* M, int nrp, int nc, int* lo, int* hi) {
+static void group_ranges(const float* M, int nrp, int nc, int* lo, int* hi, int nr = INT_MAX) {
   const int ng = nrp / 16;
   for (int g = 0; g < ng; ++g) {
     lo[g] = nc;
@@ -324,7 +454,7 @@ static void group_ranges(const float* M, int nrp, int nc, int* lo, int* hi) {
   for (int c = 0; c < nc; ++c) {
     const float* mr = M + (int64_t)c * nrp;
     for (int g = 0; g < ng; ++g) {
-      if (allowed_any(fj_ld(mr + 16 * g))) {
+      if (allowed_any(fj_ld(mr + 16 * g), nr - 16 * g)) {
         lo[g] = std::min(lo[g], c);
         hi[g] = c + 1;
       }
@@ -565,6 +695,12 @@ struct GroupState {
   // The tile's scores packed (see tile_softmax_packed): column c's row r at s[c * ld_s + r].
   bool packed = false;
   int ld_s = 16;
+  // AVX512-BF16 over a bfloat16 cache: qb holds the query rows, unscaled, as bfloat16 where
+  // they are bfloat16 values (qk_pair: the PairDot product), and pv_pair says the PV product
+  // takes P as bfloat16 pairs, in pp (pair_probs), with o in pair order (pv_pair_range).
+  std::vector<uint16_t> qb;
+  std::vector<uint32_t> pp;
+  bool qk_pair = false, pv_pair = false;
 };
 
 struct Scratch {
@@ -600,40 +736,72 @@ static inline void write_row(const Problem& P, const ItemRows& R, int64_t r, con
   P.l_out[(R.b * P.Hq + h) * P.Sq + qi] = l;
 }
 
-// St[c][r] = sum_d K[c][d] Q[r][d] for c in [c_lo, c_hi), r < nr <= NR (rows nr..NR-1 repeat
-// row nr - 1; lanes NR..15 of St's rows are left as they are), with Q's rows (D floats, a
-// multiple of 16) in row order: the decode tile's product. 16 / NR key rows at a time are
-// each read once, as D / 16 vectors, and dotted with every query row into 16 accumulators,
-// whose sums one reduction tree gives. (The lane-broadcast product of qk_cols would spend 16
-// lanes on nr rows.)
-template <class E, int NR>
-static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int D, int nr, float* St, int ldS,
-                        int c_lo, int c_hi, const Ahead<typename E::T>& ahead) {
+// The decode product's dot forms (qk_dot_rows): K's elements E widened to float32 against
+// float32 query rows (WideDot), or, with AVX512-BF16, bfloat16 keys as they lie against query
+// rows that hold bfloat16 values (PairDot: VDPBF16PS, two products a lane per instruction,
+// each exact, summed in float32; the scale is applied to the sums).
+template <class E>
+struct WideDot {
+  using T = typename E::T;
+  using Q = float;
+  using QV = v16;
+  using KV = v16;
+  static constexpr int step = 16;
+  static constexpr bool scaled = false;  // (the query rows carry the scale)
+  static inline QV ldq(const float* q) { return fj_ld(q); }
+  static inline KV ldk(const T* k) { return E::ld(k); }
+  static inline v16 mac(v16 acc, KV k, QV q) { return acc + k * q; }
+};
+#if defined(__AVX512BF16__)
+struct PairDot {
+  using T = uint16_t;
+  using Q = uint16_t;
+  using QV = __m512bh;
+  using KV = __m512bh;
+  static constexpr int step = 32;
+  static constexpr bool scaled = true;
+  static inline QV ldq(const uint16_t* q) { return (__m512bh)_mm512_loadu_si512(q); }
+  static inline KV ldk(const uint16_t* k) { return (__m512bh)_mm512_loadu_si512(k); }
+  static inline v16 mac(v16 acc, KV k, QV q) { return (v16)_mm512_dpbf16_ps((__m512)acc, k, q); }
+};
+#endif
+
+// St[c][r] = scale sum_d K[c][d] Q[r][d] for c in [c_lo, c_hi), r < nr <= NR (rows nr..NR-1
+// repeat row nr - 1; lanes NR..15 of St's rows are left as they are), with Q's rows (D
+// elements, a multiple of Dot::step) in row order: the decode tile's product. 16 / NR key
+// rows at a time are each read once, as D / Dot::step vectors, and dotted with every query
+// row into 16 accumulators, whose sums one reduction tree gives. (The lane-broadcast product
+// of qk_cols would spend 16 lanes on nr rows.) The scale is applied only where Dot::scaled.
+template <class Dot, int NR>
+static void qk_dot_rows(const typename Dot::T* K, int64_t ks, const typename Dot::Q* Q, int D, int nr, float* St,
+                        int ldS, int c_lo, int c_hi, const Ahead<typename Dot::T>& ahead, float scale) {
   constexpr int NC = 16 / NR;
-  const float* qrow[NR];
+  const typename Dot::Q* qrow[NR];
   for (int r = 0; r < NR; ++r) qrow[r] = Q + (int64_t)std::min(r, nr - 1) * D;
   for (int c0 = c_lo; c0 < c_hi; c0 += NC) {
     const int n = std::min(NC, c_hi - c0);
-    const typename E::T* krow[NC];
+    const typename Dot::T* krow[NC];
     for (int i = 0; i < NC; ++i) krow[i] = K + (int64_t)(c0 + std::min(i, n - 1)) * ks;
     for (int i = 0; i < n; ++i) prefetch_ahead(ahead, K, ks, c0 + i, c_hi, D);
     v16 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = fj_f(0.0f);
-    for (int d = 0; d < D; d += 16) {
-      v16 qv[NR];
-      for (int r = 0; r < NR; ++r) qv[r] = fj_ld(qrow[r] + d);
+    for (int d = 0; d < D; d += Dot::step) {
+      typename Dot::QV qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = Dot::ldq(qrow[r] + d);
 #pragma GCC unroll 16
       for (int i = 0; i < NC; ++i) {
-        const v16 kv = E::ld(krow[i] + d);
-        for (int r = 0; r < NR; ++r) acc[i * NR + r] += kv * qv[r];
+        const typename Dot::KV kv = Dot::ldk(krow[i] + d);
+        for (int r = 0; r < NR; ++r) acc[i * NR + r] = Dot::mac(acc[i * NR + r], kv, qv[r]);
       }
     }
+    v16 sums = hsum16(acc);  // lane i * NR + r: column c0 + i, row r
+    if (Dot::scaled) sums *= scale;
     if (ldS == NR && n == NC) {  // packed columns: the sums are the columns' rows as they lie
-      fj_st(St + (int64_t)c0 * NR, hsum16(acc));
+      fj_st(St + (int64_t)c0 * NR, sums);
       continue;
     }
     alignas(64) float t[16];
-    fj_st(t, hsum16(acc));  // lane i * NR + r: column c0 + i, row r
+    fj_st(t, sums);
     for (int i = 0; i < n; ++i) std::memcpy(St + (int64_t)(c0 + i) * ldS, t + i * NR, sizeof(float) * NR);
   }
 }
@@ -641,14 +809,14 @@ static void qk_dot_rows(const typename E::T* K, int64_t ks, const float* Q, int 
 // The rows qk_dot computes for nr query rows (rows nr.. repeat the last).
 static inline int dot_rows(int nr) { return nr <= 1 ? 1 : nr <= 2 ? 2 : nr <= 4 ? 4 : nr <= 8 ? 8 : 16; }
 
-template <class E>
-static void qk_dot(const typename E::T* K, int64_t ks, const float* Q, int D, int nr, float* St, int ldS, int c_lo,
-                   int c_hi, const Ahead<typename E::T>& ahead) {
-  if (nr <= 1) qk_dot_rows<E, 1>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
-  else if (nr <= 2) qk_dot_rows<E, 2>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
-  else if (nr <= 4) qk_dot_rows<E, 4>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
-  else if (nr <= 8) qk_dot_rows<E, 8>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
-  else qk_dot_rows<E, 16>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead);
+template <class Dot>
+static void qk_dot(const typename Dot::T* K, int64_t ks, const typename Dot::Q* Q, int D, int nr, float* St,
+                   int ldS, int c_lo, int c_hi, const Ahead<typename Dot::T>& ahead, float scale) {
+  if (nr <= 1) qk_dot_rows<Dot, 1>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, scale);
+  else if (nr <= 2) qk_dot_rows<Dot, 2>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, scale);
+  else if (nr <= 4) qk_dot_rows<Dot, 4>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, scale);
+  else if (nr <= 8) qk_dot_rows<Dot, 8>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, scale);
+  else qk_dot_rows<Dot, 16>(K, ks, Q, D, nr, St, ldS, c_lo, c_hi, ahead, scale);
 }
 
 // The row of k and v (in units of Hkv * D floats) holding batch b's kv position kv0.
@@ -680,7 +848,7 @@ static void tile_ranges(const Problem& P, const ItemRows& R, GroupState& gs, boo
     std::fill(M, M + (int64_t)nc * nrp, 0.0f);
     if (P.Gp > 1) P.mask_packed(M, nrp, nc, nrp, (int)R.b, gs.hl.data(), gs.ql.data(), kv0, P.mask_arrays);
     else P.mask_fn(M, nrp, nc, nrp, (int)R.b, (int)R.hq0, (int)R.q0, kv0, P.mask_arrays);
-    group_ranges(M, nrp, nc, gs.lo.data(), gs.hi.data());
+    group_ranges(M, nrp, nc, gs.lo.data(), gs.hi.data(), (int)R.nr);  // (lanes past nr: no rows)
   } else {
     for (int g = 0; g < ng; ++g) {
       gs.lo[g] = 0;
@@ -760,12 +928,20 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
                  kv0 + s_lo, P.score_arrays);
   };
   if (!gs.qr.empty()) {  // one 16-lane group: the decode product, on the cache's own elements
-    with_kv_type(P.kv_type, [&](auto e) {
-      using E = decltype(e);
-      using T = typename E::T;
-      qk_dot<E>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, gs.ld_s, lo[0], hi[0],
-                Ahead<T>{P.ahead, P.ahead_far, static_cast<const T*>(next.at), next.rows});
-    });
+#if defined(__AVX512BF16__)
+    if (gs.qk_pair) {
+      const uint16_t* K = static_cast<const uint16_t*>(P.k) + off;
+      qk_dot<PairDot>(K, row, gs.qb.data(), D, (int)R.nr, S, gs.ld_s, lo[0], hi[0],
+                      Ahead<uint16_t>{P.ahead, P.ahead_far, static_cast<const uint16_t*>(next.at), next.rows},
+                      P.scale);
+    } else
+#endif
+      with_kv_type(P.kv_type, [&](auto e) {
+        using E = decltype(e);
+        using T = typename E::T;
+        qk_dot<WideDot<E>>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, gs.ld_s, lo[0],
+                           hi[0], Ahead<T>{P.ahead, P.ahead_far, static_cast<const T*>(next.at), next.rows}, 1.0f);
+      });
     score(0, 16, lo[0], hi[0]);
   } else {  // (the lane-broadcast product reads each key element many times: widened first)
     int64_t ks;
@@ -863,6 +1039,9 @@ static void tile_softmax(const Problem& P, const ItemRows& R, GroupState& gs, bo
     fj_st(m + r, mx);
     fj_st(gs.alpha.data() + r, alpha);
   }
+#if defined(__AVX512BF16__)
+  if (gs.pv_pair) pair_probs(S, gs.ld_s, gs.lo[0], gs.hi[0], gs.pp.data());
+#endif
   if (prescale) {
     for (int r = 0; r < (int)R.nr; ++r) {
       const float a = gs.alpha[r];
@@ -883,6 +1062,14 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
   clip_ranges(gs, ng, a, b, lo, hi, &c_lo, &c_hi);
   if (c_lo >= c_hi) return;
   const int64_t off = head_offset(P, R, kv0, P.Dv), row = P.Hkv * P.Dv;
+#if defined(__AVX512BF16__)
+  if (gs.pv_pair) {
+    pv_pair_range(gs.pp.data(), gs.ld_s, static_cast<const uint16_t*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv,
+                  Dv, 0, nr, gs.alpha.data(),
+                  Ahead<uint16_t>{P.ahead, P.ahead_far, static_cast<const uint16_t*>(next.at), next.rows});
+    return;
+  }
+#endif
   if (nrp == 16) {  // at most 16 rows: each value element is read once or a few times, in place
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
@@ -939,12 +1126,31 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     // others the lane-broadcast product on their transpose (qt). Each is built only if used.
     gs.qr.clear();
     gs.qt.clear();
+    gs.qk_pair = gs.pv_pair = false;
     if (nrp == 16 && D % 16 == 0) {
       gs.qr.resize((size_t)nr * D);
       for (int r = 0; r < nr; ++r) {
         const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
         for (int d = 0; d < D; ++d) gs.qr[(size_t)r * D + d] = qrow[d] * P.scale;
       }
+#if defined(__AVX512BF16__)
+      if (P.kv_type == kBF16 && D % 32 == 0) {  // the query rows as bfloat16, where they are such values
+        gs.qb.resize((size_t)nr * D);
+        bool exact = true;
+        for (int r = 0; r < nr && exact; ++r) {
+          const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
+          for (int d = 0; d < D; ++d) {
+            uint32_t bits;
+            std::memcpy(&bits, qrow + d, 4);
+            exact &= (bits & 0xffffu) == 0;
+            gs.qb[(size_t)r * D + d] = (uint16_t)(bits >> 16);
+          }
+        }
+        gs.qk_pair = exact;
+      }
+      gs.pv_pair = P.kv_type == kBF16 && Dv % 32 == 0;
+      if (gs.pv_pair) gs.pp.resize((size_t)(P.bkv + 2) * 16);
+#endif
     } else if (P.Gp == 1 && D % 16 == 0) {
       gs.qt.resize((size_t)D * nrp);  // transpose_rows writes every lane (zero past nr)
       transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, gs.qt.data(), nrp, P.scale);
@@ -1018,7 +1224,10 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   }
   for (int64_t j = 0; j < P.Gi; ++j) {
     const ItemRows R = group_rows(P, base, j);
-    const GroupState& gs = w.grp[j];
+    GroupState& gs = w.grp[j];
+#if defined(__AVX512BF16__)
+    if (gs.pv_pair) pair_order_rows(gs.o.data(), Dv, nr, Dv);
+#endif
     if (P.nsplit == 1) {
       for (int r = 0; r < nr; ++r) write_row(P, R, r, gs.o.data() + (int64_t)r * Dv, gs.m[r], gs.l[r]);
       continue;
