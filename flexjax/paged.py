@@ -225,12 +225,17 @@ def _with_lengths(bm: BlockMask, kv_lengths, B: int):
     empty (skipped at run time), tiles across it partial; the mask_mod adds the test."""
     nq, nkv = bm.num_blocks
     bkv = bm.block_size[1]
-    st = jnp.maximum(_states_from_lists(bm.kv_num_blocks, bm.kv_indices, PARTIAL, nkv),
-                     _states_from_lists(bm.full_kv_num_blocks, bm.full_kv_indices, FULL, nkv))
-    st = jnp.broadcast_to(st, (B,) + st.shape[1:])
-    j = jnp.arange(nkv, dtype=jnp.int32)
-    n = kv_lengths[:, None, None, None]
-    st = jnp.where(j * bkv >= n, EMPTY, jnp.where((st == FULL) & ((j + 1) * bkv > n), PARTIAL, st)).astype(jnp.int8)
+
+    def states():
+        st = jnp.maximum(_states_from_lists(bm.kv_num_blocks, bm.kv_indices, PARTIAL, nkv),
+                         _states_from_lists(bm.full_kv_num_blocks, bm.full_kv_indices, FULL, nkv))
+        st = jnp.broadcast_to(st, (B,) + st.shape[1:])
+        j = jnp.arange(nkv, dtype=jnp.int32)
+        n = kv_lengths[:, None, None, None]
+        st = jnp.where(j * bkv >= n, EMPTY, jnp.where((st == FULL) & ((j + 1) * bkv > n), PARTIAL, st))
+        return st.astype(jnp.int8)
+
+    lists = _row_lists_with_lengths(bm, kv_lengths, B, states) if nq == 1 else lists_from_states(states())
     base, consts = bm.mask, bm.mask_consts
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -239,7 +244,53 @@ def _with_lengths(bm: BlockMask, kv_lengths, B: int):
 
     mask_mod.__name__ = f"{base.name if base is not None else 'noop_mask'}&kv_lengths"
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
-    return lists_from_states(st), traced.static(), tuple(traced.consts)
+    return lists, traced.static(), tuple(traced.consts)
+
+
+def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[[], jax.Array]):
+    """``_with_lengths``' lists for one q block a row (decoding), as ``lists_from_states``
+    gives them, without its sorts where the row's lists are ascending (as every BlockMask
+    flexjax builds holds them): the partial tiles below the length and the full tiles within
+    it are then prefixes of their lists, and the one full tile across the length joins the
+    partial ones at their end. Unsorted lists take the sorts (``lax.cond``). The transposed
+    lists (one q block: a tile's state) come from the states, which a forward-only step
+    does not compute."""
+    nkv, bkv = bm.num_blocks[1], bm.block_size[1]
+    H = bm.kv_num_blocks.shape[1]
+
+    def wide(x):  # (B, H, 1, w) -> (B, H, 1, nkv), as lists_from_states' traced widths
+        x = jnp.broadcast_to(x, (B, H) + x.shape[2:])
+        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nkv - x.shape[-1])))
+
+    kv_n, kv_i = (jnp.broadcast_to(x, (B, H) + x.shape[2:]) for x in (bm.kv_num_blocks, bm.kv_indices))
+    fkv_n, fkv_i = (jnp.broadcast_to(x, (B, H) + x.shape[2:]) for x in (bm.full_kv_num_blocks, bm.full_kv_indices))
+    n = kv_lengths.astype(jnp.int32)[:, None, None, None]
+    vp = jnp.arange(kv_i.shape[-1]) < kv_n[..., None]
+    vf = jnp.arange(fkv_i.shape[-1]) < fkv_n[..., None]
+
+    def ascending(idx, valid):
+        return jnp.all((idx[..., 1:] > idx[..., :-1]) | ~valid[..., 1:])
+
+    def prefixes():
+        p_n = jnp.sum(vp & (kv_i * bkv < n), -1, dtype=jnp.int32)
+        f_n = jnp.sum(vf & ((fkv_i + 1) * bkv <= n), -1, dtype=jnp.int32)
+        across = jnp.any(vf & (fkv_i * bkv < n) & ((fkv_i + 1) * bkv > n), -1)
+        t = jnp.arange(nkv, dtype=jnp.int32)
+        p_i = jnp.where(across[..., None] & (t == p_n[..., None]), n // bkv, wide(kv_i))
+        return p_n + across.astype(jnp.int32), p_i.astype(jnp.int32), f_n, wide(fkv_i).astype(jnp.int32)
+
+    def sorted_lists():
+        kn, ki, fn, fi = lists_from_states(states())[:4]
+        return kn, ki.astype(jnp.int32), fn, fi.astype(jnp.int32)
+
+    if kv_i.shape[-1] > nkv or fkv_i.shape[-1] > nkv:  # (wider than a row: no BlockMask's lists)
+        return lists_from_states(states())
+    kv = jax.lax.cond(ascending(kv_i, vp) & ascending(fkv_i, vf), prefixes, sorted_lists)
+    st = states()
+    q_n = jnp.swapaxes(st == PARTIAL, -1, -2).sum(-1, dtype=jnp.int32)  # (B, H, nkv): 0 or 1
+    fq_n = jnp.swapaxes(st == FULL, -1, -2).sum(-1, dtype=jnp.int32)
+    zeros = jnp.zeros(q_n.shape + (1,), jnp.int32)
+    return (*kv, q_n, zeros, fq_n, zeros)
 
 
 def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *,

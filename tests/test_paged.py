@@ -340,3 +340,65 @@ def test_tpu_decode_gradients(tpu_decode_calls):
                      argnums=(0, 1, 2))(q, k, v)
     assert_close("tpu contiguous gradients", got, truth, truth, jnp.float32)
     assert tpu_decode_calls and set(tpu_decode_calls) == {2}
+
+
+def test_length_lists_without_sorts():
+    """One q block a row (decoding): the kv lengths cut the lists without sorting them where
+    they are ascending (prefixes, and the full tile across the length joining the partial
+    ones), and through the sort where they are not (a BlockMask with its rows' lists
+    reversed). Every case's lists hold the same tiles as the sorted states' (lengths inside a
+    full tile, inside a partial one, on a tile edge, 0, the whole cache; a batch-1 mask
+    broadcast over B), and the transposed lists equal them; the step's sort lies only in the
+    unsorted lists' branch. A paged call over the reversed lists equals one over the
+    sorted."""
+    from flexjax._block_mask import _states_from_lists, lists_from_states
+
+    L, bkv, B = 1024, 64, 6
+    lengths = jnp.array([1000, 960, 700, 0, 1024, 290], jnp.int32)
+    nkv = L // bkv
+    tiles = np.zeros((1, 1, 1, nkv), np.int8)  # full tiles 0-3 and 10-15, partial 4 and 9
+    tiles[..., :4], tiles[..., 10:], tiles[..., [4, 9]] = 2, 2, 1
+    bm = flexjax.BlockMask.from_states(jnp.asarray(tiles), (), seq_lengths=(1, L), block_size=(64, bkv), mask=None)
+
+    def reverse(n, idx):  # each row's first n entries in the opposite order
+        w = idx.shape[-1]
+        t = jnp.arange(w)
+        return jnp.where(t < n[..., None], jnp.take_along_axis(idx, jnp.clip(n[..., None] - 1 - t, 0, w - 1), -1), idx)
+
+    rev = flexjax.BlockMask(bm.kv_num_blocks, reverse(bm.kv_num_blocks, bm.kv_indices), bm.full_kv_num_blocks,
+                            reverse(bm.full_kv_num_blocks, bm.full_kv_indices), bm.q_num_blocks, bm.q_indices,
+                            bm.full_q_num_blocks, bm.full_q_indices, bm.mask_consts, seq_lengths=bm.seq_lengths,
+                            block_size=bm.block_size, mask=bm.mask)
+
+    def states(lists):
+        kn, ki, fn, fi = lists[:4]
+        return jnp.maximum(_states_from_lists(kn, ki, 1, nkv), _states_from_lists(fn, fi, 2, nkv))
+
+    st = np.array(states((bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)))
+    st = np.broadcast_to(st, (B,) + st.shape[1:]).copy()
+    j = np.arange(nkv)
+    n = np.asarray(lengths)[:, None, None, None]
+    want = np.where(j * bkv >= n, 0, np.where((st == 2) & ((j + 1) * bkv > n), 1, st))
+    want_lists = lists_from_states(jnp.asarray(want, jnp.int8))
+    cut = jax.jit(lambda bm, lengths: paged._with_lengths(bm, lengths, B)[0])
+    hlo = cut.lower(bm, lengths).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):].split("\n}\n")[0]
+    assert " sort(" in hlo and " sort(" not in entry, "the sort is not confined to the unsorted lists' branch"
+    for m, what in ((bm, "ascending"), (rev, "reversed")):
+        got = cut(m, lengths)
+        np.testing.assert_array_equal(np.asarray(states(got)), want, err_msg=what)
+        for g, w, name in zip(got[4:], want_lists[4:], ("q_num", "q_idx", "full_q_num", "full_q_idx")):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{what} {name}")
+    assert (int(bm.kv_num_blocks[0, 0, 0]), int(bm.full_kv_num_blocks[0, 0, 0])) == (2, 10)
+    # (960: on a tile edge, 700 and 1000 inside full tiles, 290 inside a partial one)
+    assert int(want_lists[0][0, 0, 0]) == 3 and int(want_lists[0][5, 0, 0]) == 1
+
+    ps, Hkv, D = 128, 2, 32
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (B, 1, 4, D))
+    k_pages, v_pages = (jax.random.normal(kk, (B * L // ps, ps, Hkv, D)) for kk in ks[1:])
+    table = jnp.asarray(paged.page_table_for(np.full(B, L), ps, L // ps, seed=1))
+    run = jax.jit(lambda bm: paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm))
+    a, b = run(bm), run(rev)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert bool(jnp.isfinite(a[lengths > 0]).all())
