@@ -259,8 +259,7 @@ def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[
     H = bm.kv_num_blocks.shape[1]
 
     def wide(x):  # (B, H, 1, w) -> (B, H, 1, nkv), as lists_from_states' traced widths
-        x = jnp.broadcast_to(x, (B, H) + x.shape[2:])
-        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nkv - x.shape[-1])))
+        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, nkv - x.shape[-1]))).astype(jnp.int32)
 
     kv_n, kv_i = (jnp.broadcast_to(x, (B, H) + x.shape[2:]) for x in (bm.kv_num_blocks, bm.kv_indices))
     fkv_n, fkv_i = (jnp.broadcast_to(x, (B, H) + x.shape[2:]) for x in (bm.full_kv_num_blocks, bm.full_kv_indices))
@@ -277,18 +276,13 @@ def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[
         across = jnp.any(vf & (fkv_i * bkv < n) & ((fkv_i + 1) * bkv > n), -1)
         t = jnp.arange(nkv, dtype=jnp.int32)
         p_i = jnp.where(across[..., None] & (t == p_n[..., None]), n // bkv, wide(kv_i))
-        return p_n + across.astype(jnp.int32), p_i.astype(jnp.int32), f_n, wide(fkv_i).astype(jnp.int32)
-
-    def sorted_lists():
-        kn, ki, fn, fi = lists_from_states(states())[:4]
-        return kn, ki.astype(jnp.int32), fn, fi.astype(jnp.int32)
+        return p_n + across.astype(jnp.int32), p_i, f_n, wide(fkv_i)
 
     if kv_i.shape[-1] > nkv or fkv_i.shape[-1] > nkv:  # (wider than a row: no BlockMask's lists)
         return lists_from_states(states())
-    kv = jax.lax.cond(ascending(kv_i, vp) & ascending(fkv_i, vf), prefixes, sorted_lists)
-    st = states()
-    q_n = jnp.swapaxes(st == PARTIAL, -1, -2).sum(-1, dtype=jnp.int32)  # (B, H, nkv): 0 or 1
-    fq_n = jnp.swapaxes(st == FULL, -1, -2).sum(-1, dtype=jnp.int32)
+    kv = jax.lax.cond(ascending(kv_i, vp) & ascending(fkv_i, vf), prefixes, lambda: lists_from_states(states())[:4])
+    st = states()[..., 0, :]  # (B, H, nkv): each kv block's one q block
+    q_n, fq_n = ((st == s).astype(jnp.int32) for s in (PARTIAL, FULL))
     zeros = jnp.zeros(q_n.shape + (1,), jnp.int32)
     return (*kv, q_n, zeros, fq_n, zeros)
 

@@ -443,8 +443,8 @@ static void tn_tile(const float* A, int ldA, const float* X, int64_t xs, const i
   else if (Dc - v0 == 16) tn_rows<1>(A, ldA, X, xs, rlo, rhi, C, Dc, nc, v0);
 }
 
-// Each 16-row group g's kv range [lo[g], hi[g]): the columns where any of its rows (those below nr) is allowed
-// by the mask tile M (0 allowed, -inf not); lo > hi when none is.
+// Each 16-row group g's kv range [lo[g], hi[g]): the columns where any of its rows (those
+// below nr) is allowed by the mask tile M (0 allowed, -inf not); lo > hi when none is.
 static void group_ranges(const float* M, int nrp, int nc, int* lo, int* hi, int nr = INT_MAX) {
   const int ng = nrp / 16;
   for (int g = 0; g < ng; ++g) {
@@ -1129,28 +1129,25 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     gs.qk_pair = gs.pv_pair = false;
     if (nrp == 16 && D % 16 == 0) {
       gs.qr.resize((size_t)nr * D);
-      for (int r = 0; r < nr; ++r) {
-        const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
-        for (int d = 0; d < D; ++d) gs.qr[(size_t)r * D + d] = qrow[d] * P.scale;
-      }
 #if defined(__AVX512BF16__)
-      if (P.kv_type == kBF16 && D % 32 == 0) {  // the query rows as bfloat16, where they are such values
-        gs.qb.resize((size_t)nr * D);
-        bool exact = true;
-        for (int r = 0; r < nr && exact; ++r) {
-          const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
-          for (int d = 0; d < D; ++d) {
-            uint32_t bits;
-            std::memcpy(&bits, qrow + d, 4);
-            exact &= (bits & 0xffffu) == 0;
-            gs.qb[(size_t)r * D + d] = (uint16_t)(bits >> 16);
-          }
-        }
-        gs.qk_pair = exact;
-      }
+      // With a bfloat16 cache, also the query rows as bfloat16, where they are such values.
+      gs.qk_pair = P.kv_type == kBF16 && D % 32 == 0;
+      if (gs.qk_pair) gs.qb.resize((size_t)nr * D);
       gs.pv_pair = P.kv_type == kBF16 && Dv % 32 == 0;
       if (gs.pv_pair) gs.pp.resize((size_t)(P.bkv + 2) * 16);
 #endif
+      for (int r = 0; r < nr; ++r) {
+        const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
+        for (int d = 0; d < D; ++d) gs.qr[(size_t)r * D + d] = qrow[d] * P.scale;
+#if defined(__AVX512BF16__)
+        for (int d = 0; d < D && gs.qk_pair; ++d) {
+          uint32_t bits;
+          std::memcpy(&bits, qrow + d, 4);
+          gs.qk_pair = (bits & 0xffffu) == 0;
+          gs.qb[(size_t)r * D + d] = (uint16_t)(bits >> 16);
+        }
+#endif
+      }
     } else if (P.Gp == 1 && D % 16 == 0) {
       gs.qt.resize((size_t)D * nrp);  // transpose_rows writes every lane (zero past nr)
       transpose_rows(P.q + ((b * P.Sq + q0) * P.Hq + hq) * P.D, P.Hq * P.D, nr, D, gs.qt.data(), nrp, P.scale);
