@@ -71,7 +71,10 @@ def _dense(q, k, v, table, *, sinks=None, keep=None, rate=0.0, mask_mod=_prefix_
 
 @functools.cache
 def _block_mask(s=S, block=BLOCK):
-    return flexjax.create_block_mask(_prefix_causal, B, None, s, s, block_size=block)
+    # Cached across tests, and first called inside a jit by some of them: built as constants
+    # so no trace's values outlive it.
+    with jax.ensure_compile_time_eval():
+        return flexjax.create_block_mask(_prefix_causal, B, None, s, s, block_size=block)
 
 
 def _flex(q, k, v, table, backend_kw, **kw):
