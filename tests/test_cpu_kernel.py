@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -313,6 +314,39 @@ def test_decode_splits_the_kv_range():
         want = flexjax.flex_attention(q1, k[:1], v[:1], backend="reference", block_mask=flexjax.create_block_mask(
             masks.causal_with_offset(pos), None, None, 1, 2048, block_size=64))
         assert_close(f"step {pos}", step(q1, k[:1], v[:1], jnp.int32(pos)), want, want, jnp.float32)
+
+
+def _thread_masks():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and 2 CPUs")
+def test_parallel_runs_leave_thread_affinity_as_it_was():
+    """A pool task that lands on its caller's CPU moves off it for the run and restores its
+    affinity afterwards: after many parallel decode steps, each right after a parallel XLA
+    reduction (the pattern that lands the task there), every thread's mask is what it was,
+    and every step gives the same result."""
+    q, k, v, _, _, _ = _decode_case(2, 2, 8, 2, 64, 4096, [4096, 3000], seed=3)
+    full = flexjax.create_block_mask(masks.causal, None, None, 4096, 4096)
+    step = jax.jit(lambda q, k, v, pos: flexjax.flex_attention(
+        q, k, v, block_mask=flexjax.paged.decode_block_mask(full, pos)))
+    pos = jnp.array([4095, 2999], jnp.int32)
+    q1 = q[:, :1]
+    assert "flexjax_cpu_forward" in step.lower(q1, k, v, pos).as_text()
+    big = jnp.ones((1 << 24,), jnp.float32)
+    reduce = jax.jit(lambda x: x.sum())
+    first = np.asarray(step(q1, k, v, pos))
+    before, process = _thread_masks(), os.sched_getaffinity(0)
+    for _ in range(40):
+        reduce(big).block_until_ready()
+        np.testing.assert_array_equal(np.asarray(step(q1, k, v, pos)), first)
+    for tid, mask in _thread_masks().items():
+        assert mask == before.get(tid, process), f"thread {tid}: affinity {mask}, was {before.get(tid, process)}"
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
