@@ -387,10 +387,12 @@ def test_decode_tiles_without_mods_pack_their_scores(dtype):
             assert_close(f"decode grads hq={hq} sq={sq}", grads(q, k, v, "xla"), want_g, want_g, dtype)
 
 
-def test_decode_bfloat16_pair_products():
-    """A bfloat16 cache on a CPU with AVX512-BF16: the decode product dots query rows that hold
-    bfloat16 values with the keys two elements a lane, and takes P V two kv rows at a time
-    with P rounded to bfloat16 (as the GPU kernels take P in the value dtype). Windows of 7
+@pytest.mark.parametrize("pair", ["1", "0"])
+def test_decode_bfloat16_pair_products(pair, monkeypatch):
+    """A bfloat16 cache on a CPU with AVX512-BF16 and pair products on: the decode product dots
+    query rows that hold bfloat16 values with the keys two elements a lane, and takes P V two
+    kv rows at a time with P rounded to bfloat16 (as the GPU kernels take P in the value
+    dtype); with them off, the widened products, on the same checks. Windows of 7
     keys at odd positions put the ranges' ends on odd rows, in tiles of 36 and a last tile of
     17 rows; the rows just outside each range hold NaN, which a pair's partner row must not
     read. GQA groups of 1, 2, 4 and 8 rows (packed scores) and a score_mod (16 lanes a
@@ -406,6 +408,8 @@ def test_decode_bfloat16_pair_products():
     def shift(s, b, h, q_idx, kv_idx):
         return s + 0.25 * ((h + kv_idx) % 3).astype(s.dtype)
 
+    monkeypatch.setenv("FLEXJAX_CPU_PAIR_PRODUCTS", pair)
+    assert cpu.pair_products() == (pair == "1")
     for g, hkv, d, score in [(1, 1, 64, None), (2, 1, 64, None), (4, 1, 64, None), (8, 1, 64, None),
                              (4, 1, 64, shift), (4, 1, 48, None), (4, 2, 96, None)]:
         ks = jax.random.split(jax.random.key(g * d), 3)
@@ -427,6 +431,39 @@ def test_decode_bfloat16_pair_products():
         err, tol = float(jnp.abs(out - want).max()), 1e-2 * max(1.0, float(jnp.abs(want).max()))
         assert err < tol, f"{what}: max abs error {err} (tolerance {tol})"
         assert float(jnp.abs(lse - want_lse).max()) < 1e-3, what
+
+
+def _cpu_flag(name):
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and f" {name} " in f" {line.split(':', 1)[1].strip()} " for line in f)
+
+
+def test_pair_products_switch(monkeypatch):
+    """FLEXJAX_CPU_PAIR_PRODUCTS picks the products (checked: 0 or 1), and the choice reaches
+    the kernel: on a CPU with AVX512-BF16 the two give different roundings (P in bfloat16 or
+    float32) of the same attention, each close to the reference."""
+    monkeypatch.setenv("FLEXJAX_CPU_PAIR_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match="FLEXJAX_CPU_PAIR_PRODUCTS"):
+        cpu.pair_products()
+    L = 512
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (2, 1, 8, 64)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (2, L, 2, 64)).astype(jnp.bfloat16) for kk in ks[1:])
+    bm = flexjax.paged.decode_block_mask(flexjax.create_block_mask(masks.causal, None, None, L, L),
+                                         jnp.array([L - 1, 300], jnp.int32))
+    outs = {}
+    for pair in ("1", "0"):
+        monkeypatch.setenv("FLEXJAX_CPU_PAIR_PRODUCTS", pair)
+        run = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, block_mask=bm, return_lse=True))
+        assert "flexjax_cpu_forward" in run.lower(q, k, v).as_text()
+        outs[pair] = run(q, k, v)
+    want, want_lse = flexjax.flex_attention(q, k, v, block_mask=bm, return_lse=True, backend="reference")
+    for pair, (out, lse) in outs.items():
+        assert_close(f"pair={pair}", out, want, want, jnp.bfloat16)
+        assert float(jnp.abs(lse - want_lse).max()) < 1e-3
+    if _cpu_flag("avx512_bf16"):
+        f32 = {p: np.asarray(o.astype(jnp.float32)) for p, (o, _) in outs.items()}
+        assert not np.array_equal(f32["1"], f32["0"]), "FLEXJAX_CPU_PAIR_PRODUCTS did not reach the kernel"
 
 
 @pytest.mark.parametrize("dtype,sq", [(jnp.bfloat16, 1), (jnp.float16, 1), (jnp.bfloat16, 17),

@@ -275,12 +275,29 @@ def _native_kv(q, k, v) -> bool:
     """Whether the forward reads k and v in their own 16-bit dtype. For decode steps, whose
     cost is reading the cache: a longer query reads each tile many times, and XLA widens the
     whole of k and v once. Each tile's rows are widened to float32 as they are read (exact),
-    except where the CPU has AVX512-BF16 and the cache is bfloat16: the decode product (at
+    except where ``pair_products()`` holds and the cache is bfloat16: the decode product (at
     most 16 rows a tile) then dots the bfloat16 elements as they are (each product exact,
     sums in float32) and takes P rounded to bfloat16 for P V, as the pallas and triton
     kernels (and PyTorch's) take P in the value dtype."""
     return (_decode_step(q) and k.dtype == v.dtype and k.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0)
+
+
+def pair_products() -> bool:
+    """Whether decode steps over bfloat16 caches take their products two elements a lane
+    (VDPBF16PS, P rounded to bfloat16 for P V; see ``_native_kv``) instead of widening each
+    row to float32. ``FLEXJAX_CPU_PAIR_PRODUCTS=1`` or ``0`` decides; by default they are
+    taken on AMD CPUs with AVX512-BF16, where VDPBF16PS issues as fast as a float32 FMA and
+    does twice its work (Zen 5: 2.43 against 2.46 G/s a core). On Intel's it issues at a
+    quarter of the FMA's rate (1.84 against 7.39 G/s a core, a Xeon with AMX), and the widened
+    products ran a bfloat16 decode step 4-7% faster (BENCHMARKS.md, "Decode")."""
+    forced = os.environ.get("FLEXJAX_CPU_PAIR_PRODUCTS")
+    if forced is not None and forced.strip() != "":
+        if forced.strip() not in ("0", "1"):
+            raise ValueError(f"FLEXJAX_CPU_PAIR_PRODUCTS must be 0 or 1, got {forced!r}")
+        return forced.strip() == "1"
+    info = dict(line.split(": ", 1) for line in _cpu_id().splitlines() if ": " in line)
+    return info.get("vendor_id") == "AuthenticAMD" and " avx512_bf16 " in f" {info.get('flags', '')} "
 
 
 def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed) -> str | None:
@@ -439,7 +456,7 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
             page_table, page_size = jnp.zeros((1, 1), jnp.int32), np.int64(0)
         kv = (k, v) if _native_kv(q, k, v) else (_f32(k), _f32(v))
         out, m, l = call(_f32(q), *kv, page_table, *lists[:4], *score_consts, *mask_consts, **attrs,
-                         **packed, page_size=page_size)
+                         **packed, page_size=page_size, pair_products=pair_products())
         lse, row_max, log_sum = row_stats(m, l)
         return out.astype(q.dtype), lse, row_max, log_sum
     out, _, dout, dlse, row_max, log_sum = lead[3:]

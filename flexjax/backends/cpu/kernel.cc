@@ -7,9 +7,9 @@
 //
 // Layout: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv), out (B, Sq, Hq, Dv),
 // float32, read in place. The forward also reads bfloat16 and float16 k and v (decode
-// caches), widening their rows to float32 (exactly) as it loads them, or, with AVX512-BF16
-// and a bfloat16 cache, taking the decode product's dots on the bfloat16 elements as they lie
-// (PairDot, pv_pair_range). A score tile is held transposed, St[c][r] (kv position c, query
+// caches), widening their rows to float32 (exactly) as it loads them, or, with AVX512-BF16,
+// a bfloat16 cache and the pair_products attribute, taking the decode product's dots on the
+// bfloat16 elements as they lie (PairDot, pv_pair_range). A score tile is held transposed, St[c][r] (kv position c, query
 // row r), so that one query tile's rows are the vector lanes: the softmax's row max and row
 // sum are lane-wise, and only the (D, rows) query tile is ever transposed (once per q block),
 // never the keys.
@@ -736,6 +736,7 @@ struct Problem {
   float* part;  // nsplit > 1: per item and group, the unnormalized rows, row maxima, row sums
   int64_t part_stride;
   int ahead, ahead_far;  // rows a decode tile's K and V reads prefetch ahead into L1 and L2 (0: none)
+  bool pair;  // bfloat16 caches' decode products by VDPBF16PS (the caller's choice, see __init__.py)
 };
 
 struct GroupState {
@@ -1183,9 +1184,9 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
       gs.qr.resize((size_t)nr * D);
 #if defined(__AVX512BF16__)
       // With a bfloat16 cache, also the query rows as bfloat16, where they are such values.
-      gs.qk_pair = P.kv_type == kBF16 && D % 32 == 0;
+      gs.qk_pair = P.pair && P.kv_type == kBF16 && D % 32 == 0;
       if (gs.qk_pair) gs.qb.resize((size_t)nr * D);
-      gs.pv_pair = P.kv_type == kBF16 && Dv % 32 == 0;
+      gs.pv_pair = P.pair && P.kv_type == kBF16 && Dv % 32 == 0;
       if (gs.pv_pair) gs.pp.resize((size_t)(P.bkv + 2) * 16);
 #endif
       for (int r = 0; r < nr; ++r) {
@@ -1374,7 +1375,7 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                           ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
                           int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t score_packed,
-                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts) {
+                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts, bool pair_products) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = kv_idx.dimensions(),
        fi = fkv_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
@@ -1415,6 +1416,7 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (page_size > 0 && (page_size % block_kv || page_table.dimensions()[0] != qd[0]))
     return ffi::Error::InvalidArgument("flexjax cpu kernel: bad page table");
   P.scale = scale;
+  P.pair = pair_products;
   P.score_fn = reinterpret_cast<ModFn>(score_fn);
   P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
   P.score_packed = reinterpret_cast<PackedFn>(score_packed);
@@ -1454,7 +1456,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Attr<int64_t>("score_packed")
                                   .Attr<int64_t>("mask_packed")
                                   .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("n_score_consts"));
+                                  .Attr<int64_t>("n_score_consts")
+                                  .Attr<bool>("pair_products"));
 
 // ---------------------------------------------------------------------------------------
 // Backward: dQ, dK, dV of the same tiles (the xla backend's backward, fused). One item is a
