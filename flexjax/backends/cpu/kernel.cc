@@ -559,9 +559,9 @@ struct RunState {
 // a decode step): the wake lands there when the other cores look busy at that instant, for
 // instance with a pool thread still spinning after the previous op. So the caller yields
 // once after scheduling (a task queued on its own CPU runs at once), and a task that finds
-// itself on the caller's CPU moves off it for the run, then restores its affinity. A float32
-// window step at 64k ran 10.2 ms in most of the benchmark's rounds without this, 5.7-6.1 ms
-// with it (paged: 5.8-6.2 either way).
+// itself on the caller's CPU moves off it for the run, then restores its affinity. Float32
+// window steps at 16k and 64k: 5.72-10.99 ms without this (over 10 ms in half the benchmark's
+// rows), 5.69-6.08 ms with it (BENCHMARKS.md, "Decode").
 class AwayFrom {
  public:
   explicit AwayFrom(int cpu) {
