@@ -9,10 +9,10 @@
 // float32, read in place. The forward also reads bfloat16 and float16 k and v (decode
 // caches), widening their rows to float32 (exactly) as it loads them, or, with AVX512-BF16,
 // a bfloat16 cache and the pair_products attribute, taking the decode product's dots on the
-// bfloat16 elements as they lie (PairDot, pv_pair_range). A score tile is held transposed, St[c][r] (kv position c, query
-// row r), so that one query tile's rows are the vector lanes: the softmax's row max and row
-// sum are lane-wise, and only the (D, rows) query tile is ever transposed (once per q block),
-// never the keys.
+// bfloat16 elements as they lie (PairDot, pv_pair_range). A score tile is held transposed,
+// St[c][r] (kv position c, query row r), so that one query tile's rows are the vector lanes:
+// the softmax's row max and row sum are lane-wise, and only the (D, rows) query tile is ever
+// transposed (once per q block), never the keys.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -553,7 +553,6 @@ struct RunState {
   std::atomic<int64_t> next{0};
 };
 
-//
 // A pool thread woken onto the caller's CPU shares that core with the caller until the
 // scheduler's next balancing tick moves one of them (about 4 ms on a 2-core VM, longer than
 // a decode step): the wake lands there when the other cores look busy at that instant, for
