@@ -20,11 +20,13 @@ result. The forward also serves decode steps (GQA heads packed into a tile's row
 mod's packed variant reading ``h`` and ``q_idx`` per lane, the kv tiles split into shares
 when there are few items, the cache read row after row for all kv heads with software
 prefetch; bfloat16 and float16 caches are read as they are, each row widened exactly to
-float32 as it is loaded) and ``flexjax.paged`` (``paged_forward``: tiles read from their
+float32 as it is loaded, or, where ``pair_products()`` holds, bfloat16 rows dotted as they
+lie) and ``flexjax.paged`` (``paged_forward``: tiles read from their
 pages in place). Where XLA's partitioner would have to split the call (Auto mesh axes,
 sharded arrays under a multi-device jit) the XLA versions run: it cannot split an FFI
 call. The forward-mode tangent stays the xla backend's.
-``FLEXJAX_CPU_KERNEL=0`` (or ``kernel_options={"cpu_kernel": False}``) turns it off.
+``FLEXJAX_CPU_KERNEL=0`` (or ``kernel_options={"cpu_kernel": False}``) turns it off;
+``FLEXJAX_CPU_PAIR_PRODUCTS=1`` or ``0`` sets ``pair_products()``.
 """
 
 from __future__ import annotations
