@@ -458,7 +458,7 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
             page_table, page_size = jnp.zeros((1, 1), jnp.int32), np.int64(0)
         kv = (k, v) if _native_kv(q, k, v) else (_f32(k), _f32(v))
         out, m, l = call(_f32(q), *kv, page_table, *lists[:4], *score_consts, *mask_consts, **attrs,
-                         **packed, page_size=page_size, pair_products=np.bool_(pair_products()))
+                         **packed, page_size=page_size, pair_products=np.int64(pair_products()))
         lse, row_max, log_sum = row_stats(m, l)
         return out.astype(q.dtype), lse, row_max, log_sum
     out, _, dout, dlse, row_max, log_sum = lead[3:]

@@ -1374,7 +1374,7 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                           ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
                           int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t score_packed,
-                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts, bool pair_products) {
+                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts, int64_t pair_products) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = kv_idx.dimensions(),
        fi = fkv_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
@@ -1415,7 +1415,7 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (page_size > 0 && (page_size % block_kv || page_table.dimensions()[0] != qd[0]))
     return ffi::Error::InvalidArgument("flexjax cpu kernel: bad page table");
   P.scale = scale;
-  P.pair = pair_products;
+  P.pair = pair_products != 0;
   P.score_fn = reinterpret_cast<ModFn>(score_fn);
   P.mask_fn = reinterpret_cast<ModFn>(mask_fn);
   P.score_packed = reinterpret_cast<PackedFn>(score_packed);
@@ -1456,7 +1456,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Attr<int64_t>("mask_packed")
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("n_score_consts")
-                                  .Attr<bool>("pair_products"));
+                                  .Attr<int64_t>("pair_products"));
 
 // ---------------------------------------------------------------------------------------
 // Backward: dQ, dK, dV of the same tiles (the xla backend's backward, fused). One item is a
