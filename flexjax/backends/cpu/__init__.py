@@ -68,37 +68,40 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+_CPU_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags")
+
+
 @functools.cache
-def _cpu_has_avx512() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+def _cpu_info() -> dict[str, str]:
+    """The first CPU's vendor, family, model, name and flags from /proc/cpuinfo ('' where absent)."""
+    seen: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return " avx512f " in f" {line.strip()} "
+                key, _, value = line.partition(":")
+                if key.strip() in _CPU_KEYS:
+                    seen.setdefault(key.strip(), value.strip())
+                if len(seen) == len(_CPU_KEYS):
+                    break
     except OSError:
-        return False
-    return False
+        pass
+    return {k: seen.get(k, "") for k in _CPU_KEYS}
+
+
+def _cpu_flag(name: str) -> bool:
+    return f" {name} " in f" {_cpu_info()['flags']} "
+
+
+@functools.cache
+def _cpu_has_avx512() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and _cpu_flag("avx512f")
 
 
 @functools.cache
 def _cpu_id() -> str:
     """The CPU's vendor, family, model and flags: builds use ``-march=native``, so a cache
     directory shared by different machines must not hand one a library built for another."""
-    keys = ("vendor_id", "cpu family", "model", "model name", "flags")
-    seen: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in keys:
-                    seen.setdefault(key.strip(), value.strip())
-                if len(seen) == len(keys):
-                    break
-    except OSError:
-        pass
-    return "\n".join(f"{k}: {seen.get(k, '')}" for k in keys)
+    return "\n".join(f"{k}: {v}" for k, v in _cpu_info().items())
 
 
 @functools.cache
@@ -293,13 +296,12 @@ def pair_products() -> bool:
     does twice its work (Zen 5: 2.43 against 2.46 G/s a core). On Intel's it issues at a
     quarter of the FMA's rate (1.84 against 7.39 G/s a core, a Xeon with AMX), and the widened
     products ran a bfloat16 decode step 4-7% faster (BENCHMARKS.md, "Decode")."""
-    forced = os.environ.get("FLEXJAX_CPU_PAIR_PRODUCTS")
-    if forced is not None and forced.strip() != "":
-        if forced.strip() not in ("0", "1"):
+    forced = os.environ.get("FLEXJAX_CPU_PAIR_PRODUCTS", "").strip()
+    if forced:
+        if forced not in ("0", "1"):
             raise ValueError(f"FLEXJAX_CPU_PAIR_PRODUCTS must be 0 or 1, got {forced!r}")
-        return forced.strip() == "1"
-    info = dict(line.split(": ", 1) for line in _cpu_id().splitlines() if ": " in line)
-    return info.get("vendor_id") == "AuthenticAMD" and " avx512_bf16 " in f" {info.get('flags', '')} "
+        return forced == "1"
+    return _cpu_info()["vendor_id"] == "AuthenticAMD" and _cpu_flag("avx512_bf16")
 
 
 def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed) -> str | None:
