@@ -308,8 +308,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         block mask is built for ``(Sq, max_pages * page_size)`` and its kv block must
         divide ``page_size``.
       return_aux: an ``AuxRequest`` for ``(out, AuxOutput)``, as in
-        ``flexjax.flex_attention``; ``lse`` only (the paged kernels do not form
-        ``max_scores``: that raises ``NotImplementedError``).
+        ``flexjax.flex_attention`` (``lse`` and ``max_scores``, each row's maximum of
+        the modified, unmasked scores over the sequence's valid keys; -inf where none).
       sinks: attention sinks, float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``
         (logits joining every row's normalizer; ``jax.grad`` reaches them).
       backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
@@ -335,10 +335,6 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
                          f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
                          f"{getattr(v_pages, 'shape', None)}")
     _check_outputs(return_lse, return_aux)
-    if return_aux is not None and return_aux.max_scores:
-        raise NotImplementedError("flexjax.paged.flex_attention does not form max_scores (its kernels return "
-                                  "out and lse); use AuxRequest(lse=True), or flexjax.flex_attention on "
-                                  "flexjax.paged.gather(k_pages, page_table)")
     B, Sq, Hq, D = query.shape
     sinks = _check_sinks(sinks, Hq)
     ps = k_pages.shape[1]
@@ -390,8 +386,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
             reason = pallas_decode.tpu_reason(spec, query, v_pages, lists, pallas._mods(spec, o))
             if reason is not None:
                 raise NotImplementedError(f"the pallas paged kernel cannot serve this call on TPU: {reason}")
-    out, lse = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
-    return _results(out, lse, None, sinks, return_lse, return_aux)
+    out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
+    return _results(out, lse, max_scores, sinks, return_lse, return_aux)
 
 
 def _logical_like(B: int, kv_len: int, k_pages, v_pages):
@@ -432,8 +428,12 @@ def _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-    out, lse, _ = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
-    return out, lse
+    from .backends import get_backend
+
+    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
+                                         page_table)
+    row_max, _ = get_backend(name).row_stats(lse, residuals)  # max_scores, as flex_attention's
+    return out, lse, row_max
 
 
 def _paged_jvp(name, spec, primals, tangents):
@@ -449,8 +449,9 @@ def _paged_jvp(name, spec, primals, tangents):
                                          page_table)
     row_max, log_sum = impl.row_stats(lse, residuals)
     has_qkv, has_c, lin, split = _linear_tangents((t_q, t_kp, t_vp), t_consts, score_consts)
+    zeros = (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype), jnp.zeros_like(row_max))
     if not lin:
-        return (out, lse), (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype))
+        return (out, lse, row_max), zeros
     res = (q, k_pages, v_pages, out, lse, row_max, log_sum, score_consts, mask_consts, lists, page_table, residuals)
     res_flat, res_tree = jax.tree.flatten(res)
     ps = k_pages.shape[1]
@@ -478,7 +479,7 @@ def _paged_jvp(name, spec, primals, tangents):
 
     out_avals = (jax.core.ShapedArray(out.shape, out.dtype), jax.core.ShapedArray(lse.shape, lse.dtype))
     t_out, t_lse = linear_apply(tangent_map, transpose_map, tuple(res_flat), lin, out_avals)
-    return (out, lse), (t_out, t_lse)
+    return (out, lse, row_max), (t_out, t_lse, zeros[2])
 
 
 _paged.defjvp(_paged_jvp, symbolic_zeros=True)

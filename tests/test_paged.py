@@ -94,7 +94,7 @@ def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
 def test_sinks_and_aux_lse(backend):
     """Attention sinks and AuxRequest(lse=True) through the page table: forward, lse and the
     gradients of q, the pools and the sinks equal flex_attention on the gathered cache, on
-    both paged backends (pallas in interpret mode); max_scores is refused with a clear error."""
+    both paged backends (pallas in interpret mode); max_scores equals flex_attention's."""
     lengths, table, k_pages, v_pages, q, do, _ = _setup(1, seed=2)
     sinks = jnp.linspace(-1.0, 1.0, HQ)
     bm = flexjax.create_block_mask(masks.causal_bottom_right(1, lengths), B, None, 1, KV_LEN, block_size=(16, 32))
@@ -116,9 +116,17 @@ def test_sinks_and_aux_lse(backend):
     (_, want), g_want = grad(ref_loss)(q, k_pages, v_pages, sinks)
     (_, got), g_got = grad(paged_loss)(q, k_pages, v_pages, sinks)
     assert_close("paged sinks", (got, g_got), (want, g_want), (want, g_want), jnp.float32)
-    with pytest.raises(NotImplementedError, match="max_scores"):
-        paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm,
-                             return_aux=flexjax.AuxRequest(max_scores=True))
+    # max_scores: each row's max over the sequence's valid keys, as flex_attention's on the gathered cache.
+    both = flexjax.AuxRequest(lse=True, max_scores=True)
+    _, aux = paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, return_aux=both,
+                                  backend=backend)
+    full = flexjax.create_block_mask(flexjax.and_masks(masks.causal_bottom_right(1, lengths), masks.padding(lengths)),
+                                     B, None, 1, KV_LEN, block_size=(16, 32))
+    _, want_aux = flexjax.flex_attention(q, paged.gather(k_pages, table), paged.gather(v_pages, table),
+                                         block_mask=full, return_aux=both, backend="reference")
+    assert aux.max_scores.shape == (B, HQ, 1) and aux.max_scores.dtype == jnp.float32
+    np.testing.assert_allclose(aux.max_scores, want_aux.max_scores, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux.lse, want_aux.lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="sinks must have shape"):
         paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=jnp.zeros(HQ + 1))
 
