@@ -195,23 +195,32 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new):
     Args:
       k_pages, v_pages: (num_pages, page_size, kv_heads, head_dim / v_head_dim).
       page_table: int32 (B, max_pages).
-      positions: int32 (B,), the logical position of each sequence's first new token.
+      positions: int32 scalar or (B,), the logical position of each sequence's first new
+        token (may be traced).
       k_new, v_new: (B, T, kv_heads, .), T new tokens per sequence at ``positions[b] + t``.
+        Tokens at logical positions outside ``[0, max_pages * page_size)`` are dropped (as
+        JAX drops out-of-bounds scatter updates), never written to another slot.
     """
-    if k_new.ndim != 4 or k_new.shape[2:] != k_pages.shape[2:] or v_new.shape[2:] != v_pages.shape[2:]:
-        raise ValueError(f"k_new / v_new must be (B, T, {k_pages.shape[2]}, .) matching the pools' heads and "
-                         f"head dims, got {k_new.shape} / {v_new.shape}")
+    if (k_new.ndim != 4 or v_new.ndim != 4 or k_new.shape[:2] != v_new.shape[:2]
+            or k_new.shape[2:] != k_pages.shape[2:] or v_new.shape[2:] != v_pages.shape[2:]):
+        raise ValueError(f"k_new / v_new must be (B, T, {k_pages.shape[2]}, .) with the same B and T, matching "
+                         f"the pools' heads and head dims, got {k_new.shape} / {v_new.shape}")
     B, T = k_new.shape[:2]
     pt = _int_array("page_table", page_table, "(B, max_pages)")
     if pt.ndim != 2 or pt.shape[0] != B:
         raise ValueError(f"page_table must be (B={B}, max_pages), got shape {pt.shape}")
-    pos = _int_array("positions", positions, "(B,)").reshape(-1)
+    pos = _int_array("positions", positions, "(B,)")
+    if pos.shape not in ((), (B,)):
+        raise ValueError(f"positions must be a scalar or of shape (B={B},), got shape {pos.shape}")
+    pos = jnp.broadcast_to(pos, (B,))
     ps = k_pages.shape[1]
     logical = pos[:, None] + jnp.arange(T, dtype=jnp.int32)
+    inside = (logical >= 0) & (logical < pt.shape[1] * ps)
     page = jnp.take_along_axis(pt, jnp.clip(logical // ps, 0, pt.shape[1] - 1), axis=1)
+    page = jnp.where(inside, page, k_pages.shape[0])  # past the pool: the update is dropped
     slot = logical % ps
-    return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype)),
-            v_pages.at[page, slot].set(v_new.astype(v_pages.dtype)))
+    return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
+            v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"))
 
 
 def gather(pages, page_table) -> jax.Array:

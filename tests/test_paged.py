@@ -169,6 +169,34 @@ def test_write():
         p = int(pos[b])
         np.testing.assert_array_equal(np.asarray(k_log[b, p:p + 2]), 1.0)
         np.testing.assert_array_equal(np.asarray(v_log[b, p:p + 2]), 2.0)
+    # A table of distinct pages: every other position stays as it was; tokens past the
+    # capacity (or before 0) are dropped, never written into another slot; a scalar position
+    # serves every sequence.
+    table = jnp.asarray(np.random.default_rng(0).permutation(k_pages.shape[0])[:B * MAX_PAGES].reshape(B, -1),
+                        jnp.int32)
+    k2, v2 = jax.jit(paged.write)(k_pages, v_pages, table, pos, k_new, 2 * k_new)
+    k_old, v_old = paged.gather(k_pages, table), paged.gather(v_pages, table)
+    for b in range(B):
+        p = int(pos[b])
+        for new, old in ((paged.gather(k2, table), k_old), (paged.gather(v2, table), v_old)):
+            np.testing.assert_array_equal(np.asarray(new[b, :p]), np.asarray(old[b, :p]))
+            np.testing.assert_array_equal(np.asarray(new[b, p + 2:]), np.asarray(old[b, p + 2:]))
+    cap = table.shape[1] * k_pages.shape[1]
+    edge = jnp.array([cap - 1, -1] + [0] * (B - 2), jnp.int32)
+    k3, v3 = jax.jit(paged.write)(k_pages, v_pages, table, edge, k_new, 2 * k_new)
+    k_log = np.asarray(paged.gather(k3, table))
+    np.testing.assert_array_equal(k_log[0, cap - 1], 1.0)
+    np.testing.assert_array_equal(k_log[0, :cap - 1], np.asarray(k_old[0, :cap - 1]))
+    np.testing.assert_array_equal(k_log[1, 0], 1.0)
+    np.testing.assert_array_equal(k_log[1, 1:], np.asarray(k_old[1, 1:]))
+    np.testing.assert_array_equal(np.asarray(k3)[np.setdiff1d(np.arange(k_pages.shape[0]), np.asarray(table))],
+                                  np.asarray(k_pages)[np.setdiff1d(np.arange(k_pages.shape[0]), np.asarray(table))])
+    k4, _ = paged.write(k_pages, v_pages, table, 3, k_new, k_new)
+    np.testing.assert_array_equal(np.asarray(paged.gather(k4, table))[:, 3:5], 1.0)
+    with pytest.raises(ValueError, match="positions"):
+        paged.write(k_pages, v_pages, table, jnp.zeros(B + 1, jnp.int32), k_new, k_new)
+    with pytest.raises(ValueError, match="same B and T"):
+        paged.write(k_pages, v_pages, table, pos, k_new, k_new[:, :1])
 
 
 def test_errors():
