@@ -5,7 +5,9 @@ Hq=32, Hkv=8, D=128, causal or sliding window 4096, through the cache idiom (a b
 mask built once for L x L, ``flexjax.paged.decode_block_mask`` per step). Reports
 milliseconds, tokens per second, bytes of K/V the step must read per second, and that
 rate over the machine's memory bandwidth measured in the same run (a large jnp
-reduction): decoding is bandwidth-bound, so the ratio is the figure of merit.
+reduction): decoding is bandwidth-bound, so the ratio is the figure of merit. Beside it,
+the step's compute floor: its flops at the rate a float32 jnp matmul gets in the same
+rounds (where that floor nears the bandwidth one, the step is bound by both).
 
     .venv/bin/python benchmarks/bench_decode.py                      # the whole table
     .venv/bin/python benchmarks/bench_decode.py --lengths 16384 --dtypes float32
@@ -64,6 +66,10 @@ class DecodeSpec:
     def kv_bytes(self) -> int:
         return self.B * self.keys_read() * self.Hkv * 2 * self.D * jnp.dtype(self.dtype).itemsize
 
+    def flops(self) -> int:
+        """The step's multiply-adds, times 2: QK^T and PV for every query head and key read."""
+        return 2 * self.B * self.Hq * self.keys_read() * 2 * self.D
+
 
 SPECS = [DecodeSpec(L, m, dt) for dt in ("float32", "bfloat16") for L in (4096, 16384, 65536)
          for m in ("causal", "sliding_window")]
@@ -78,6 +84,16 @@ def bandwidth_probe(nbytes: int = 1 << 30):
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda x: x.sum())
     return (lambda: f(x)), nbytes
+
+
+def compute_probe(n: int = 1024):
+    """A call doing 2 n^3 float32 flops (a jnp matmul) and that count: the rate the machine's
+    cores give multiply-adds now (on a shared VM it varies with its neighbours, as memory
+    bandwidth does). A decode step's products cost ``DecodeSpec.flops()`` at that rate at
+    least: its compute floor, beside the bandwidth one."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    return (lambda: f(a)), 2 * n ** 3
 
 
 def _once(call) -> float:
@@ -109,7 +125,8 @@ def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: boo
     # cache run slower on this machine than the 1 GiB probe's): what the memory system gives
     # a read of that size.
     same, same_bytes = bandwidth_probe(spec.kv_bytes())
-    calls = {"bandwidth": probe, "read": same, "flex": lambda: flex(q, k, v, pos)}
+    matmul, matmul_flops = compute_probe()
+    calls = {"bandwidth": probe, "read": same, "matmul": matmul, "flex": lambda: flex(q, k, v, pos)}
     out = flex(q, k, v, pos)
     if dense:
         @jax.jit
@@ -164,6 +181,7 @@ def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: boo
         rec[f"{name}_ms"] = float(np.median(ts))
     rec["bandwidth"] = probe_bytes / (rec["bandwidth_ms"] / 1e3)
     rec["read_bandwidth"] = same_bytes / (rec["read_ms"] / 1e3)
+    rec["flop_rate"] = matmul_flops / (rec["matmul_ms"] / 1e3)
     return rec
 
 
@@ -181,8 +199,8 @@ def main(argv=None) -> int:
              and (args.dtypes is None or s.dtype in args.dtypes) and (args.masks is None or s.mask in args.masks)]
     print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} cpus")
     print("| spec | flex ms | tokens/s | K/V GB/s | bandwidth GB/s | ratio | same-size read GB/s | vs read | "
-          "dense ms | vs dense | paged ms | paged/contig |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "matmul GFLOP/s | compute floor ms | dense ms | vs dense | paged ms | paged/contig |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in specs:
         rec = run(spec, dense=not args.no_dense, paged_too=not args.no_paged, runs=args.runs,
                   flush=not args.no_flush)
@@ -192,7 +210,8 @@ def main(argv=None) -> int:
         pg = f"{rec['paged_ms']:.1f} | {rec['paged_ms'] / rec['flex_ms']:.2f}" if "paged_ms" in rec else "- | -"
         print(f"| {spec.name} | {rec['flex_ms']:.2f} | {spec.B / (rec['flex_ms'] / 1e3):.0f} | {rate / 1e9:.2f} | "
               f"{bw / 1e9:.2f} | {rate / bw:.0%} | {rec['read_bandwidth'] / 1e9:.2f} | "
-              f"{rate / rec['read_bandwidth']:.0%} | {dense} | {pg} |", flush=True)
+              f"{rate / rec['read_bandwidth']:.0%} | {rec['flop_rate'] / 1e9:.0f} | "
+              f"{spec.flops() / rec['flop_rate'] * 1e3:.2f} | {dense} | {pg} |", flush=True)
         errs = {k: f"{v:.2g}" for k, v in rec.items() if k.endswith("_err")}
         if errs:
             print(f"|   {spec.name} max abs error vs flex: {errs} |", flush=True)
