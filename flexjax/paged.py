@@ -11,6 +11,9 @@ Paged KV keeps K/V in physical pools ``(num_pages, page_size, kv_heads, head_dim
 page table ``int32 (B, max_pages)`` from logical to physical pages. ``flex_attention``
 here takes the block mask and mods in logical positions (as if the cache were
 contiguous, ``KV_LEN = max_pages * page_size``) and reads pages through the table.
+``allocate`` makes the pools; ``reserve`` assigns free pages on demand as sequences grow
+and ``release`` frees a finished sequence's (both jit-able, a free map of the pool beside
+the table); ``write`` puts new tokens into their pages.
 """
 
 from __future__ import annotations
@@ -187,6 +190,79 @@ def page_table_for(lengths, page_size: int, max_pages: int, *, num_pages: int | 
     return table
 
 
+def reserve(page_table, free_pages, new_lengths, page_size: int):
+    """Assigns free pages on demand so that sequence ``b`` can hold ``new_lengths[b]`` tokens.
+
+    jit-able (all arguments but ``page_size`` may be traced), for a server whose sequences
+    grow: call it before ``write`` with the lengths after the step. A logical page is
+    unassigned where its table entry is negative (start from
+    ``jnp.full((B, max_pages), -1, jnp.int32)`` and ``jnp.ones(num_pages, bool)``).
+
+    Args:
+      page_table: int32 (B, max_pages), logical -> physical page, -1 where unassigned.
+      free_pages: bool (num_pages,), True where a physical page is free.
+      new_lengths: int32 scalar or (B,), the tokens each sequence must be able to hold.
+      page_size: the pools' page size (static).
+
+    Returns:
+      ``(page_table, free_pages, ok)``: every unassigned logical page below
+      ``ceil(new_lengths[b] / page_size)`` gets the lowest-numbered free page (in row-major
+      order of the table), which is then taken. ``ok`` (a bool scalar) is False when the
+      pool has too few free pages or a length is negative or past ``max_pages * page_size``;
+      then nothing is assigned (the table and free map come back as they were), so check it
+      (``bool(ok)`` on the host, or ``jax.lax.cond`` in the step) before writing.
+    """
+    pt = _int_array("page_table", page_table, "(B, max_pages)")
+    if pt.ndim != 2:
+        raise ValueError(f"page_table must be int32 (B, max_pages), got shape {pt.shape}")
+    B, max_pages = pt.shape
+    free = jnp.asarray(free_pages)
+    if free.dtype != jnp.bool_ or free.ndim != 1:
+        raise TypeError(f"free_pages must be a bool array of shape (num_pages,), got {free.dtype} {free.shape}")
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    n = _int_array("new_lengths", new_lengths, "(B,)")
+    if n.shape not in ((), (B,)):
+        raise ValueError(f"new_lengths must be a scalar or of shape (B={B},), got shape {n.shape}")
+    n = jnp.broadcast_to(n, (B,))
+    num_pages = free.shape[0]
+    pages_needed = -(-n // page_size)
+    need = (jnp.arange(max_pages, dtype=jnp.int32)[None, :] < pages_needed[:, None]) & (pt < 0)
+    rank = jnp.cumsum(need.reshape(-1).astype(jnp.int32)).reshape(B, max_pages) - 1
+    # Free pages first, each group in ascending order.
+    order = jnp.argsort(~free, stable=True).astype(jnp.int32)
+    ok = (need.sum() <= free.sum()) & jnp.all((n >= 0) & (n <= max_pages * page_size))
+    take = need & ok
+    assigned = order[jnp.clip(rank, 0, num_pages - 1)]
+    new_pt = jnp.where(take, assigned, pt)
+    new_free = free.at[jnp.where(take, assigned, num_pages).reshape(-1)].set(False, mode="drop")
+    return new_pt, new_free, ok
+
+
+def release(page_table, free_pages, done):
+    """Frees the pages of the sequences where ``done`` is True and marks their table rows
+    unassigned (-1); jit-able. Returns ``(page_table, free_pages)``. (Pages shared between
+    sequences are not reference-counted: release a shared page once.)
+
+    Args:
+      page_table: int32 (B, max_pages), -1 where unassigned.
+      free_pages: bool (num_pages,).
+      done: bool (B,).
+    """
+    pt = _int_array("page_table", page_table, "(B, max_pages)")
+    if pt.ndim != 2:
+        raise ValueError(f"page_table must be int32 (B, max_pages), got shape {pt.shape}")
+    free = jnp.asarray(free_pages)
+    if free.dtype != jnp.bool_ or free.ndim != 1:
+        raise TypeError(f"free_pages must be a bool array of shape (num_pages,), got {free.dtype} {free.shape}")
+    done = jnp.asarray(done)
+    if done.dtype != jnp.bool_ or done.shape != (pt.shape[0],):
+        raise TypeError(f"done must be a bool array of shape (B={pt.shape[0]},), got {done.dtype} {done.shape}")
+    drop = done[:, None] & (pt >= 0)
+    new_free = free.at[jnp.where(drop, pt, free.shape[0]).reshape(-1)].set(True, mode="drop")
+    return jnp.where(done[:, None], -1, pt), new_free
+
+
 def write(k_pages, v_pages, page_table, positions, k_new, v_new):
     """Writes new tokens into the pools; returns the updated ``(k_pages, v_pages)``.
 
@@ -197,10 +273,15 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new):
       page_table: int32 (B, max_pages).
       positions: int32 scalar or (B,), the logical position of each sequence's first new
         token (may be traced).
-      k_new, v_new: (B, T, kv_heads, .), T new tokens per sequence at ``positions[b] + t``.
-        Tokens at logical positions outside ``[0, max_pages * page_size)`` are dropped (as
-        JAX drops out-of-bounds scatter updates), never written to another slot.
+      k_new, v_new: (B, T, kv_heads, .), T new tokens per sequence at ``positions[b] + t``,
+        or (B, kv_heads, .) for one token each. Tokens at logical positions outside
+        ``[0, max_pages * page_size)``, or in a logical page whose table entry is negative
+        (unassigned, see ``reserve``), are dropped (as JAX drops out-of-bounds scatter
+        updates), never written to another slot.
     """
+    k_new, v_new = jnp.asarray(k_new), jnp.asarray(v_new)
+    if k_new.ndim == 3 and v_new.ndim == 3:  # one token per sequence
+        k_new, v_new = k_new[:, None], v_new[:, None]
     if (k_new.ndim != 4 or v_new.ndim != 4 or k_new.shape[:2] != v_new.shape[:2]
             or k_new.shape[2:] != k_pages.shape[2:] or v_new.shape[2:] != v_pages.shape[2:]):
         raise ValueError(f"k_new / v_new must be (B, T, {k_pages.shape[2]}, .) with the same B and T, matching "
@@ -217,7 +298,7 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new):
     logical = pos[:, None] + jnp.arange(T, dtype=jnp.int32)
     inside = (logical >= 0) & (logical < pt.shape[1] * ps)
     page = jnp.take_along_axis(pt, jnp.clip(logical // ps, 0, pt.shape[1] - 1), axis=1)
-    page = jnp.where(inside, page, k_pages.shape[0])  # past the pool: the update is dropped
+    page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # past the pool: the update is dropped
     slot = logical % ps
     return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
             v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"))

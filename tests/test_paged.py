@@ -193,6 +193,9 @@ def test_write():
                                   np.asarray(k_pages)[np.setdiff1d(np.arange(k_pages.shape[0]), np.asarray(table))])
     k4, _ = paged.write(k_pages, v_pages, table, 3, k_new, k_new)
     np.testing.assert_array_equal(np.asarray(paged.gather(k4, table))[:, 3:5], 1.0)
+    # An unassigned logical page (a negative entry) takes no write: no pool page changes.
+    k5, _ = paged.write(k_pages, v_pages, jnp.full_like(table, -1), pos, k_new, k_new)
+    np.testing.assert_array_equal(np.asarray(k5), np.asarray(k_pages))
     with pytest.raises(ValueError, match="positions"):
         paged.write(k_pages, v_pages, table, jnp.zeros(B + 1, jnp.int32), k_new, k_new)
     with pytest.raises(ValueError, match="same B and T"):
@@ -438,3 +441,68 @@ def test_length_lists_without_sorts():
     a, b = run(bm), run(rev)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert bool(jnp.isfinite(a[lengths > 0]).all())
+
+
+def test_reserve_and_release_serve_growing_sequences():
+    """Pages assigned on demand inside one jitted step (reserve, write, attend) while the
+    sequences grow token by token; a finished sequence's pages are released and reused by
+    the next; every step equals flex_attention on a contiguous cache of the same tokens, and
+    a pool too small for a step says so (ok False, nothing assigned)."""
+    ps, max_pages, num_pages, Bs = 8, 4, 7, 2
+    cap = ps * max_pages
+    bm = flexjax.create_block_mask(masks.causal, None, None, cap, cap, block_size=(16, 8))
+    k_pages, v_pages = paged.allocate(num_pages, ps, HKV, D)
+    table = jnp.full((Bs, max_pages), -1, jnp.int32)
+    free = jnp.ones((num_pages,), bool)
+    compiles = []
+
+    @jax.jit
+    def step(k_pages, v_pages, table, free, pos, q, k_new, v_new):
+        compiles.append(1)
+        table, free, ok = paged.reserve(table, free, pos + 1, ps)
+        k_pages, v_pages = paged.write(k_pages, v_pages, table, pos, k_new, v_new)
+        out = paged.flex_attention(q, k_pages, v_pages, table, pos + 1, block_mask=paged.decode_block_mask(bm, pos))
+        return k_pages, v_pages, table, free, ok, out
+
+    key = jax.random.key(3)
+    k_log = np.zeros((Bs, cap, HKV, D), np.float32)
+    v_log = np.zeros((Bs, cap, HKV, D), np.float32)
+    pos = np.array([0, 5], np.int32)
+    # Sequence 1 starts at position 5 (its first five keys: the zeros of a fresh page).
+    for t in range(26):
+        key, *ks = jax.random.split(key, 4)
+        q = jax.random.normal(ks[0], (Bs, 1, HQ, D))
+        k_new, v_new = jax.random.normal(ks[1], (Bs, HKV, D)), jax.random.normal(ks[2], (Bs, HKV, D))
+        if t == 14:  # sequence 0 is done: its pages go back to the pool; a new one starts there
+            table, free = jax.jit(paged.release)(table, free, jnp.array([True, False]))
+            assert int(free.sum()) == num_pages - int((np.asarray(table) >= 0).sum())
+            pos[0] = 0
+            k_log[0] = v_log[0] = 0.0
+        k_pages, v_pages, table, free, ok, out = step(k_pages, v_pages, table, free, jnp.asarray(pos), q, k_new,
+                                                      v_new)
+        assert bool(ok)
+        tab = np.asarray(table)
+        assigned = tab[tab >= 0]
+        assert len(set(assigned.tolist())) == assigned.size  # no page serves two places
+        assert not np.asarray(free)[assigned].any() and int(np.asarray(free).sum()) == num_pages - assigned.size
+        k_log[np.arange(Bs), pos], v_log[np.arange(Bs), pos] = np.asarray(k_new), np.asarray(v_new)
+        want = flexjax.flex_attention(q, jnp.asarray(k_log), jnp.asarray(v_log), backend="reference",
+                                      block_mask=flexjax.create_block_mask(masks.causal_with_offset(jnp.asarray(pos)),
+                                                                           Bs, None, 1, cap))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+        pos = pos + 1
+    assert len(compiles) == 1
+    # Sequence 1 (at 31 tokens) holds 4 pages, sequence 0 (12 tokens) 2: one page is free, so
+    # growing sequence 0 to 25 tokens (2 more pages) cannot be served: ok False, nothing changes.
+    t2, f2, ok = paged.reserve(table, free, jnp.array([25, 31]), ps)
+    assert not bool(ok)
+    np.testing.assert_array_equal(np.asarray(t2), np.asarray(table))
+    np.testing.assert_array_equal(np.asarray(f2), np.asarray(free))
+    _, _, ok = paged.reserve(table, free, jnp.array([20, 31]), ps)
+    assert bool(ok)
+    _, _, ok = paged.reserve(table, free, jnp.array([12, cap + 1]), ps)  # past the capacity
+    assert not bool(ok)
+    with pytest.raises(TypeError, match="free_pages"):
+        paged.reserve(table, jnp.ones(num_pages, jnp.int32), 3, ps)
+    with pytest.raises(ValueError, match="new_lengths"):
+        paged.reserve(table, free, jnp.zeros(3, jnp.int32), ps)
