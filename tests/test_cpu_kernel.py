@@ -392,13 +392,15 @@ def test_decode_bfloat16_pair_products(pair, monkeypatch):
     """A bfloat16 cache on a CPU with AVX512-BF16 and pair products on: the decode product dots
     query rows that hold bfloat16 values with the keys two elements a lane, and takes P V two
     kv rows at a time with P rounded to bfloat16 (as the GPU kernels take P in the value
-    dtype); with them off, the widened products, on the same checks. Windows of 7
+    dtype); with them off (or without AVX512-BF16), the split products (32 bfloat16 elements a
+    load, split into their even and odd ones, query rows and O held in that order), on the same
+    checks. Windows of 7
     keys at odd positions put the ranges' ends on odd rows, in tiles of 36 and a last tile of
     17 rows; the rows just outside each range hold NaN, which a pair's partner row must not
     read. GQA groups of 1, 2, 4 and 8 rows (packed scores) and a score_mod (16 lanes a
-    column), head dims of 48 (neither pair product: the widened ones) and 96, two kv heads an
-    item; against the reference on the same values, within what rounding P to bfloat16
-    allows. (Without AVX512-BF16 the widened products run: the same checks.)"""
+    column), head dims of 64, 48 (neither pair nor split products: the widened ones) and 96
+    (a 64-column slab and a 32-column one), two kv heads an item; against the reference on the
+    same values, within what rounding P to bfloat16 allows."""
     L, W = 305, 7
     win = flexjax.create_block_mask(masks.sliding_window(W), None, None, L, L, block_size=36)
     pos = jnp.array([303, 100, 41], jnp.int32)  # windows [297, 303], [94, 100], [35, 41]

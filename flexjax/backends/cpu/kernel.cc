@@ -7,9 +7,11 @@
 //
 // Layout: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv), out (B, Sq, Hq, Dv),
 // float32, read in place. The forward also reads bfloat16 and float16 k and v (decode
-// caches), widening their rows to float32 (exactly) as it loads them, or, with AVX512-BF16,
-// a bfloat16 cache and the pair_products attribute, taking the decode product's dots on the
-// bfloat16 elements as they lie (PairDot, pv_pair_range). A score tile is held transposed,
+// caches), widening their rows to float32 (exactly) as it loads them: a bfloat16 row of the
+// decode product 32 elements a load, split into its even and odd elements by a shift and a
+// mask (BF16S: no shuffle; the query rows and O held in that order), or, with AVX512-BF16
+// and the pair_products attribute, the decode product's dots on the bfloat16 elements as
+// they lie (PairDot, pv_pair_range). A score tile is held transposed,
 // St[c][r] (kv position c, query row r), so that one query tile's rows are the vector lanes:
 // the softmax's row max and row sum are lane-wise, and only the (D, rows) query tile is ever
 // transposed (once per q block), never the keys.
@@ -65,10 +67,12 @@ static inline v16 vexp_le0(v16 x) {
 // Element types of k and v in the forward: ld reads 16 of them as float32 (exact).
 struct F32 {
   using T = float;
+  static constexpr bool split = false;
   static inline v16 ld(const float* p) { return fj_ld(p); }
 };
 struct BF16 {
   using T = uint16_t;
+  static constexpr bool split = false;
   static inline v16 ld(const uint16_t* p) {
 #if defined(__AVX512F__)
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -85,6 +89,7 @@ struct BF16 {
 };
 struct F16 {
   using T = uint16_t;
+  static constexpr bool split = false;
   static inline v16 ld(const uint16_t* p) {
 #if defined(__AVX512F__)
     return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -99,6 +104,22 @@ struct F16 {
 #endif
   }
 };
+
+#if defined(__AVX512F__)
+// A bfloat16 row read 32 elements a load and split, without a shuffle, into its even
+// elements (a shift) and its odd ones (a mask), each exactly float32: "split order", a
+// 32-element block's 16 even elements, then its 16 odd ones. The decode product keeps its
+// query rows and its O rows in that order (split_order_rows restores O's).
+struct BF16S {
+  using T = uint16_t;
+  static constexpr bool split = true;
+  static inline void ld2(const uint16_t* p, v16* even, v16* odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    *even = (v16)_mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = (v16)_mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+  }
+};
+#endif
 
 // Lane k of the result is the sum of a[k]'s 16 lanes: a reduction tree of pairwise
 // interleaves (30 shuffles, where a 16 x 16 transpose then 15 adds takes 64).
@@ -212,7 +233,13 @@ static inline void pv_block(const float* P, int ldP, const typename E::T* V, int
   for (int c = c_lo; c < c_hi; ++c) {
     v16 vv[NV];
     const typename E::T* vr = V + (int64_t)c * vs + v0;
-    for (int j = 0; j < NV; ++j) vv[j] = E::ld(vr + 16 * j);
+    if constexpr (E::split) {  // (NV even: pv_range takes split rows in 32-element blocks)
+#if defined(__AVX512F__)
+      for (int j = 0; j + 1 < NV; j += 2) BF16S::ld2(vr + 16 * j, &vv[j], &vv[j + 1]);
+#endif
+    } else {
+      for (int j = 0; j < NV; ++j) vv[j] = E::ld(vr + 16 * j);
+    }
     prefetch_ahead(ahead, V + v0, vs, c, c_hi, 16 * NV);
     const float* pr = P + (int64_t)c * ldP + r0;
 #pragma GCC unroll 16
@@ -252,9 +279,15 @@ static void pv_range(const float* P, int ldP, const typename E::T* V, int64_t vs
   int v0 = 0;
   for (; v0 + 64 <= Dv; v0 += 64)
     pv_rows<E, 4>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 64));
-  if (Dv - v0 == 48) pv_rows<E, 3>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 48));
-  else if (Dv - v0 == 32) pv_rows<E, 2>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 32));
-  else if (Dv - v0 == 16) pv_rows<E, 1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 16));
+  if constexpr (E::split) {  // (rows of 32-element blocks: Dv a multiple of 32)
+    if (Dv - v0 == 32) pv_rows<E, 2>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 32));
+  } else if (Dv - v0 == 48) {
+    pv_rows<E, 3>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 48));
+  } else if (Dv - v0 == 32) {
+    pv_rows<E, 2>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 32));
+  } else if (Dv - v0 == 16) {
+    pv_rows<E, 1>(P, ldP, V, vs, c_lo, c_hi, O, ldo, r_lo, r_hi, v0, alpha, slab(v0, 16));
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -753,6 +786,8 @@ struct GroupState {
   std::vector<uint16_t> qb;
   std::vector<uint32_t> pp;
   bool qk_pair = false, pv_pair = false;
+  // A bfloat16 cache read in split order (BF16S): qr and o in split order.
+  bool split = false;
 };
 
 struct Scratch {
@@ -804,6 +839,43 @@ struct WideDot {
   static inline KV ldk(const T* k) { return E::ld(k); }
   static inline v16 mac(v16 acc, KV k, QV q) { return acc + k * q; }
 };
+#if defined(__AVX512F__)
+// A bfloat16 cache's keys in split order (BF16S) against query rows held in that order.
+struct SplitDot {
+  using T = uint16_t;
+  using Q = float;
+  struct QV {
+    v16 e, o;
+  };
+  using KV = QV;
+  static constexpr int step = 32;
+  static constexpr bool scaled = false;
+  static inline QV ldq(const float* q) { return {fj_ld(q), fj_ld(q + 16)}; }
+  static inline KV ldk(const uint16_t* k) {
+    KV x;
+    BF16S::ld2(k, &x.e, &x.o);
+    return x;
+  }
+  static inline v16 mac(v16 acc, KV k, QV q) { return acc + k.e * q.e + k.o * q.o; }
+};
+
+// n rows of O (ld floats apart, Dv a multiple of 32) from split order to column order.
+static void split_order_rows(float* O, int64_t ld, int n, int Dv) {
+  alignas(64) int32_t i0[16], i1[16];
+  for (int j = 0; j < 16; ++j) {  // column 2 i lies at i, column 2 i + 1 at 16 + i
+    i0[j] = (j % 2) * 16 + j / 2;
+    i1[j] = ((16 + j) % 2) * 16 + (16 + j) / 2;
+  }
+  const __m512i x0 = _mm512_load_si512(i0), x1 = _mm512_load_si512(i1);
+  for (int r = 0; r < n; ++r)
+    for (int d = 0; d < Dv; d += 32) {
+      float* o = O + (int64_t)r * ld + d;
+      const __m512 a = _mm512_loadu_ps(o), b = _mm512_loadu_ps(o + 16);
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, x0, b));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, x1, b));
+    }
+}
+#endif
 #if defined(__AVX512BF16__)
 struct PairDot {
   using T = uint16_t;
@@ -988,6 +1060,13 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
                       P.scale);
     } else
 #endif
+#if defined(__AVX512F__)
+    if (gs.split) {
+      qk_dot<SplitDot>(static_cast<const uint16_t*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, gs.ld_s, lo[0],
+                       hi[0], Ahead<uint16_t>{P.ahead, P.ahead_far, static_cast<const uint16_t*>(next.at), next.rows},
+                       1.0f);
+    } else
+#endif
       with_kv_type(P.kv_type, [&](auto e) {
         using E = decltype(e);
         using T = typename E::T;
@@ -1122,6 +1201,14 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
     return;
   }
 #endif
+#if defined(__AVX512F__)
+  if (gs.split) {
+    pv_range<BF16S>(gs.s.data(), gs.ld_s, static_cast<const uint16_t*>(P.v) + off, row, lo[0], hi[0], gs.o.data(), Dv,
+                    Dv, 0, nr, gs.alpha.data(),
+                    Ahead<uint16_t>{P.ahead, P.ahead_far, static_cast<const uint16_t*>(next.at), next.rows});
+    return;
+  }
+#endif
   if (nrp == 16) {  // at most 16 rows: each value element is read once or a few times, in place
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
@@ -1178,7 +1265,7 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     // others the lane-broadcast product on their transpose (qt). Each is built only if used.
     gs.qr.clear();
     gs.qt.clear();
-    gs.qk_pair = gs.pv_pair = false;
+    gs.qk_pair = gs.pv_pair = gs.split = false;
     if (nrp == 16 && D % 16 == 0) {
       gs.qr.resize((size_t)nr * D);
 #if defined(__AVX512BF16__)
@@ -1188,9 +1275,17 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
       gs.pv_pair = P.pair && P.kv_type == kBF16 && Dv % 32 == 0;
       if (gs.pv_pair) gs.pp.resize((size_t)(P.bkv + 2) * 16);
 #endif
+#if defined(__AVX512F__)
+      // A bfloat16 cache the pair products do not take is read in split order (both products:
+      // the query rows and O in that order).
+      gs.split = P.kv_type == kBF16 && D % 32 == 0 && Dv % 32 == 0 && !gs.qk_pair && !gs.pv_pair;
+#endif
       for (int r = 0; r < nr; ++r) {
         const float* qrow = P.q + ((b * P.Sq + q0 + r % nq) * P.Hq + hq + r / nq) * P.D;
-        for (int d = 0; d < D; ++d) gs.qr[(size_t)r * D + d] = qrow[d] * P.scale;
+        for (int d = 0; d < D; ++d) {  // (split order: element d of a 32-block at d / 2, or 16 + d / 2 if odd)
+          const int at = gs.split ? (d & ~31) + (d % 2) * 16 + (d % 32) / 2 : d;
+          gs.qr[(size_t)r * D + at] = qrow[d] * P.scale;
+        }
 #if defined(__AVX512BF16__)
         for (int d = 0; d < D && gs.qk_pair; ++d) {
           uint32_t bits;
@@ -1276,6 +1371,9 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
     GroupState& gs = w.grp[j];
 #if defined(__AVX512BF16__)
     if (gs.pv_pair) pair_order_rows(gs.o.data(), Dv, nr, Dv);
+#endif
+#if defined(__AVX512F__)
+    if (gs.split) split_order_rows(gs.o.data(), Dv, nr, Dv);
 #endif
     if (P.nsplit == 1) {
       for (int r = 0; r < nr; ++r) write_row(P, R, r, gs.o.data() + (int64_t)r * Dv, gs.m[r], gs.l[r]);
