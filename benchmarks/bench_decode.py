@@ -7,7 +7,9 @@ milliseconds, tokens per second, bytes of K/V the step must read per second, and
 rate over the machine's memory bandwidth measured in the same run (a large jnp
 reduction): decoding is bandwidth-bound, so the ratio is the figure of merit. Beside it,
 the step's compute floor: its flops at the rate a float32 jnp matmul gets in the same
-rounds (where that floor nears the bandwidth one, the step is bound by both).
+rounds (where that floor nears the bandwidth one, the step is bound by both). And the
+time per layer of a model's decode step: one jitted call over several layers' caches, run
+one after another, which pays the per-call dispatch once for all of them.
 
     .venv/bin/python benchmarks/bench_decode.py                      # the whole table
     .venv/bin/python benchmarks/bench_decode.py --lengths 16384 --dtypes float32
@@ -105,7 +107,7 @@ def _once(call) -> float:
 FLUSH_BYTES = 1 << 30
 
 
-def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: bool = True) -> dict:
+def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: bool = True, layers: int = 4) -> dict:
     B, L, Hq, Hkv, D = spec.B, spec.L, spec.Hq, spec.Hkv, spec.D
     dt = jnp.dtype(spec.dtype)
     ks = jax.random.split(jax.random.key(0), 3)
@@ -128,6 +130,24 @@ def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: boo
     matmul, matmul_flops = compute_probe()
     calls = {"bandwidth": probe, "read": same, "matmul": matmul, "flex": lambda: flex(q, k, v, pos)}
     out = flex(q, k, v, pos)
+    if layers > 1:
+        # A model's decode step: one jitted call running the attention of several layers, each
+        # over its own cache (all cold after the flush), each layer's query depending on the
+        # previous layer's output (as through the layer's projections), so they run one after
+        # another. Its time per layer leaves out the per-call dispatch a model pays once a step.
+        n = layers if 2 * spec.kv_bytes() * L // spec.keys_read() <= (1 << 30) else 2
+        caches = [(k, v)] + [tuple(jax.random.normal(kk, (B, L, Hkv, D), dt) for kk in jax.random.split(
+            jax.random.key(i + 1), 2)) for i in range(n - 1)]
+
+        @jax.jit
+        def model(q, caches, pos):
+            for k_, v_ in caches:
+                o = flexjax.flex_attention(q, k_, v_, block_mask=paged.decode_block_mask(bm, pos))
+                q = (q.astype(jnp.float32) + 1e-30 * o.astype(jnp.float32)).astype(q.dtype)
+            return q
+
+        rec["layers"] = n
+        calls["model"] = lambda: model(q, caches, pos)
     if dense:
         @jax.jit
         def dpa(q, k, v, pos):
@@ -182,6 +202,8 @@ def run(spec: DecodeSpec, *, dense: bool, paged_too: bool, runs: int, flush: boo
     rec["bandwidth"] = probe_bytes / (rec["bandwidth_ms"] / 1e3)
     rec["read_bandwidth"] = same_bytes / (rec["read_ms"] / 1e3)
     rec["flop_rate"] = matmul_flops / (rec["matmul_ms"] / 1e3)
+    if "model_ms" in rec:
+        rec["layer_ms"] = rec["model_ms"] / rec["layers"]
     return rec
 
 
@@ -194,24 +216,31 @@ def main(argv=None) -> int:
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-paged", action="store_true")
     p.add_argument("--no-flush", action="store_true", help="time calls back to back, caches warm")
+    p.add_argument("--layers", type=int, default=4,
+                   help="layers of the model-step measurement (2 where a cache exceeds 512 MiB; 1: none)")
     args = p.parse_args(argv)
     specs = [s for s in SPECS if (args.lengths is None or s.L in args.lengths)
              and (args.dtypes is None or s.dtype in args.dtypes) and (args.masks is None or s.mask in args.masks)]
     print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} cpus")
     print("| spec | flex ms | tokens/s | K/V GB/s | bandwidth GB/s | ratio | same-size read GB/s | vs read | "
-          "matmul GFLOP/s | compute floor ms | dense ms | vs dense | paged ms | paged/contig |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "matmul GFLOP/s | compute floor ms | layer ms in a model step | its ratio | dense ms | vs dense | "
+          "paged ms | paged/contig |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in specs:
         rec = run(spec, dense=not args.no_dense, paged_too=not args.no_paged, runs=args.runs,
-                  flush=not args.no_flush)
+                  flush=not args.no_flush, layers=args.layers)
         bw = rec["bandwidth"]
         rate = spec.kv_bytes() / (rec["flex_ms"] / 1e3)
         dense = f"{rec['dense_ms']:.1f} | {rec['dense_ms'] / rec['flex_ms']:.1f}x" if "dense_ms" in rec else "- | -"
         pg = f"{rec['paged_ms']:.1f} | {rec['paged_ms'] / rec['flex_ms']:.2f}" if "paged_ms" in rec else "- | -"
+        layer = "- | -"
+        if "layer_ms" in rec:
+            layer = (f"{rec['layer_ms']:.2f} ({rec['layers']}) | "
+                     f"{spec.kv_bytes() / (rec['layer_ms'] / 1e3) / bw:.0%}")
         print(f"| {spec.name} | {rec['flex_ms']:.2f} | {spec.B / (rec['flex_ms'] / 1e3):.0f} | {rate / 1e9:.2f} | "
               f"{bw / 1e9:.2f} | {rate / bw:.0%} | {rec['read_bandwidth'] / 1e9:.2f} | "
               f"{rate / rec['read_bandwidth']:.0%} | {rec['flop_rate'] / 1e9:.0f} | "
-              f"{spec.flops() / rec['flop_rate'] * 1e3:.2f} | {dense} | {pg} |", flush=True)
+              f"{spec.flops() / rec['flop_rate'] * 1e3:.2f} | {layer} | {dense} | {pg} |", flush=True)
         errs = {k: f"{v:.2g}" for k, v in rec.items() if k.endswith("_err")}
         if errs:
             print(f"|   {spec.name} max abs error vs flex: {errs} |", flush=True)
