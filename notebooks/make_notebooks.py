@@ -708,7 +708,8 @@ def decoding():
            "a block mask built once for the whole cache and sliced per step (`flexjax.paged.decode_block_mask`: "
            "the rows the positions fall in, the mask_mod's `q_idx` shifted to them), traced positions so one "
            "jitted step serves every length, and paged K/V (`flexjax.paged`): pools of pages and a page table, "
-           "with the mask and mods in logical positions.\n\n"
+           "with the mask and mods in logical positions, pages assigned on demand as the sequences grow "
+           "(`paged.reserve`, inside the jitted step) and given back when one is done (`paged.release`).\n\n"
            "The model below is tiny and untrained (random weights): it shows the mechanics, and checks each "
            "step against attention over the gathered contiguous cache."),
         code(setup("masks, paged", timing=True)),
@@ -729,9 +730,9 @@ prompts = ["the cat sat", "a dog ran by the"]
 B = len(prompts)
 k_pages, v_pages = paged.allocate(NUM_PAGES, PAGE, HKV, D)
 lengths = np.array([len(p) for p in prompts])
-# Pages for prompt + 40 new tokens each, shuffled in the pool (a real server allocates on demand).
-table = jnp.asarray(paged.page_table_for(lengths + 40, PAGE, MAX_PAGES, num_pages=NUM_PAGES, seed=1))
-print("page table:\\n", np.asarray(table))
+# No page assigned yet (-1 everywhere), every page of the pool free: reserve assigns them on demand.
+table = jnp.full((B, MAX_PAGES), -1, jnp.int32)
+free = jnp.ones((NUM_PAGES,), bool)
 block_mask = flexjax.create_block_mask(masks.causal, None, None, L_MAX, L_MAX, block_size=PAGE)
 block_mask'''),
         code('''\
@@ -743,14 +744,16 @@ def qkv(tokens):
 
 
 @jax.jit
-def step(k_pages, v_pages, tokens, pos):
-    """One token per sequence at positions ``pos`` (traced): write its K/V, attend, pick the next token."""
+def step(k_pages, v_pages, table, free, tokens, pos):
+    """One token per sequence at positions ``pos`` (traced): a page for it where it starts a new one,
+    its K/V written, attention, the next token."""
+    table, free, ok = paged.reserve(table, free, pos + 1, PAGE)  # ok: False if the pool ran out
     q, k, v = qkv(tokens[:, None])
     k_pages, v_pages = paged.write(k_pages, v_pages, table, pos, k, v)
     bm = paged.decode_block_mask(block_mask, pos)
     out = paged.flex_attention(q, k_pages, v_pages, table, pos + 1, block_mask=bm)
     logits = out.reshape(B, HQ * D) @ params["out"]
-    return k_pages, v_pages, jnp.argmax(logits, -1), out
+    return k_pages, v_pages, table, free, ok, jnp.argmax(logits, -1), out
 
 
 # Prefill token by token (a chunked prefill would call the same functions with q_len > 1).
@@ -759,7 +762,8 @@ pos = jnp.zeros((B,), jnp.int32)
 tokens = jnp.array([VOCAB.index(p[0]) for p in prompts])
 n_steps = int(lengths.max()) + 40
 for t in range(n_steps):
-    k_pages, v_pages, nxt, out = step(k_pages, v_pages, tokens, pos)
+    k_pages, v_pages, table, free, ok, nxt, out = step(k_pages, v_pages, table, free, tokens, pos)
+    assert bool(ok), "the page pool ran out"
     pos = pos + 1
     # Inside its prompt a sequence is fed its own next character; past it, the model's choice.
     tokens = jnp.array([VOCAB.index(prompts[b][t + 1]) if t + 1 < lengths[b] else int(nxt[b]) for b in range(B)])
@@ -768,7 +772,9 @@ for t in range(n_steps):
             text[b].append(VOCAB[int(nxt[b])])
 for b in range(B):
     print(repr("".join(text[b])))
-print("compilations of step:", step._cache_size())'''),
+print("compilations of step:", step._cache_size())
+print("page table (pages assigned as the sequences grew):\\n", np.asarray(table))
+print("free pages:", int(free.sum()), "of", NUM_PAGES)'''),
         md("Attention over the pages at the last position equals `flex_attention` on the contiguous cache "
            "gathered through the page table:"),
         code('''\
@@ -779,6 +785,12 @@ ref = flexjax.flex_attention(q, k_log, v_log, backend="reference",
                              block_mask=flexjax.create_block_mask(masks.causal_with_offset(last), B, None, 1, L_MAX))
 got = paged.flex_attention(q, k_pages, v_pages, table, last + 1, block_mask=paged.decode_block_mask(block_mask, last))
 print("max |paged - contiguous reference|:", float(jnp.abs(got - ref).max()))'''),
+        md("When a sequence is done, its pages go back to the pool for the next one (`paged.release`, "
+           "jit-able too):"),
+        code('''\
+table, free = paged.release(table, free, jnp.array([True, False]))  # sequence 0 is done
+print(np.asarray(table))
+print("free pages:", int(free.sum()), "of", NUM_PAGES)'''),
         md("## Step time against cache length\n\n"
            "One decode step (B=4, Hq=16, Hkv=4, D=64, float32, causal, the query at the end of the cache): "
            "flex decoding on a contiguous cache, on a paged cache, and `jax.nn.dot_product_attention` with a "
