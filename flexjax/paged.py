@@ -47,6 +47,29 @@ def _int_array(name: str, x, shapes: str) -> jax.Array:
     return arr.astype(jnp.int32)
 
 
+def _per_sequence(name: str, x, B: int) -> jax.Array:
+    """An integer scalar or (B,) argument as int32 (B,)."""
+    arr = _int_array(name, x, "() or (B,)")
+    if arr.shape not in ((), (B,)):
+        raise ValueError(f"{name} must be a scalar or of shape (B={B},), got shape {arr.shape}")
+    return jnp.broadcast_to(arr, (B,))
+
+
+def _page_table(page_table, B: int | None = None) -> jax.Array:
+    pt = _int_array("page_table", page_table, "(B, max_pages)")
+    if pt.ndim != 2 or (B is not None and pt.shape[0] != B):
+        raise ValueError(f"page_table must be int32 (B{'' if B is None else f'={B}'}, max_pages), got shape "
+                         f"{pt.shape}")
+    return pt
+
+
+def _free_map(free_pages) -> jax.Array:
+    free = jnp.asarray(free_pages)
+    if free.dtype != jnp.bool_ or free.ndim != 1:
+        raise TypeError(f"free_pages must be a bool array of shape (num_pages,), got {free.dtype} {free.shape}")
+    return free
+
+
 def _shifted(mask, consts, shift, q_len_orig: int) -> Callable:
     """``mask`` with ``q_idx`` moved by ``shift`` (a scalar or (B,) array), clamped into range."""
 
@@ -212,19 +235,12 @@ def reserve(page_table, free_pages, new_lengths, page_size: int):
       then nothing is assigned (the table and free map come back as they were), so check it
       (``bool(ok)`` on the host, or ``jax.lax.cond`` in the step) before writing.
     """
-    pt = _int_array("page_table", page_table, "(B, max_pages)")
-    if pt.ndim != 2:
-        raise ValueError(f"page_table must be int32 (B, max_pages), got shape {pt.shape}")
+    pt = _page_table(page_table)
     B, max_pages = pt.shape
-    free = jnp.asarray(free_pages)
-    if free.dtype != jnp.bool_ or free.ndim != 1:
-        raise TypeError(f"free_pages must be a bool array of shape (num_pages,), got {free.dtype} {free.shape}")
+    free = _free_map(free_pages)
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    n = _int_array("new_lengths", new_lengths, "(B,)")
-    if n.shape not in ((), (B,)):
-        raise ValueError(f"new_lengths must be a scalar or of shape (B={B},), got shape {n.shape}")
-    n = jnp.broadcast_to(n, (B,))
+    n = _per_sequence("new_lengths", new_lengths, B)
     num_pages = free.shape[0]
     pages_needed = -(-n // page_size)
     need = (jnp.arange(max_pages, dtype=jnp.int32)[None, :] < pages_needed[:, None]) & (pt < 0)
@@ -249,12 +265,8 @@ def release(page_table, free_pages, done):
       free_pages: bool (num_pages,).
       done: bool (B,).
     """
-    pt = _int_array("page_table", page_table, "(B, max_pages)")
-    if pt.ndim != 2:
-        raise ValueError(f"page_table must be int32 (B, max_pages), got shape {pt.shape}")
-    free = jnp.asarray(free_pages)
-    if free.dtype != jnp.bool_ or free.ndim != 1:
-        raise TypeError(f"free_pages must be a bool array of shape (num_pages,), got {free.dtype} {free.shape}")
+    pt = _page_table(page_table)
+    free = _free_map(free_pages)
     done = jnp.asarray(done)
     if done.dtype != jnp.bool_ or done.shape != (pt.shape[0],):
         raise TypeError(f"done must be a bool array of shape (B={pt.shape[0]},), got {done.dtype} {done.shape}")
@@ -287,13 +299,8 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new):
         raise ValueError(f"k_new / v_new must be (B, T, {k_pages.shape[2]}, .) with the same B and T, matching "
                          f"the pools' heads and head dims, got {k_new.shape} / {v_new.shape}")
     B, T = k_new.shape[:2]
-    pt = _int_array("page_table", page_table, "(B, max_pages)")
-    if pt.ndim != 2 or pt.shape[0] != B:
-        raise ValueError(f"page_table must be (B={B}, max_pages), got shape {pt.shape}")
-    pos = _int_array("positions", positions, "(B,)")
-    if pos.shape not in ((), (B,)):
-        raise ValueError(f"positions must be a scalar or of shape (B={B},), got shape {pos.shape}")
-    pos = jnp.broadcast_to(pos, (B,))
+    pt = _page_table(page_table, B)
+    pos = _per_sequence("positions", positions, B)
     ps = k_pages.shape[1]
     logical = pos[:, None] + jnp.arange(T, dtype=jnp.int32)
     inside = (logical >= 0) & (logical < pt.shape[1] * ps)
@@ -428,9 +435,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     B, Sq, Hq, D = query.shape
     sinks = _check_sinks(sinks, Hq)
     ps = k_pages.shape[1]
-    pt = _int_array("page_table", page_table, "(B, max_pages)")
-    if pt.ndim != 2 or pt.shape[0] != B:
-        raise ValueError(f"page_table must be int32 (B={B}, max_pages), got shape {pt.shape}")
+    pt = _page_table(page_table, B)
     lengths = _int_array("kv_lengths", kv_lengths, "(B,)")
     if lengths.shape != (B,):
         raise ValueError(f"kv_lengths must be int32 (B={B},), got shape {lengths.shape}")

@@ -106,6 +106,25 @@ struct F16 {
 };
 
 #if defined(__AVX512F__)
+// n rows of O (ld floats apart, Dv a multiple of 32) back to column order from an order in
+// which column c of each 32-column block lies at at(c).
+template <class At>
+static void column_order_rows(float* O, int64_t ld, int n, int Dv, At at) {
+  alignas(64) int32_t i0[16], i1[16];
+  for (int j = 0; j < 16; ++j) {
+    i0[j] = at(j);
+    i1[j] = at(16 + j);
+  }
+  const __m512i x0 = _mm512_load_si512(i0), x1 = _mm512_load_si512(i1);
+  for (int r = 0; r < n; ++r)
+    for (int d = 0; d < Dv; d += 32) {
+      float* o = O + (int64_t)r * ld + d;
+      const __m512 a = _mm512_loadu_ps(o), b = _mm512_loadu_ps(o + 16);
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, x0, b));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, x1, b));
+    }
+}
+
 // A bfloat16 row read 32 elements a load and split, without a shuffle, into its even
 // elements (a shift) and its odd ones (a mask), each exactly float32: "split order", a
 // 32-element block's 16 even elements, then its 16 odd ones. The decode product keeps its
@@ -400,20 +419,8 @@ static void pv_pair_range(const uint32_t* PP, int ldP, const uint16_t* V, int64_
 
 // n rows of O (ld floats apart, Dv a multiple of 32) from pair order to column order.
 static void pair_order_rows(float* O, int64_t ld, int n, int Dv) {
-  alignas(64) int32_t i0[16], i1[16];
-  for (int j = 0; j < 16; ++j) {  // column d = 8 L + 4 h + i of a block lies at 16 h + 4 L + i
-    const int d0 = j, d1 = 16 + j;
-    i0[j] = 16 * ((d0 / 4) % 2) + 4 * (d0 / 8) + d0 % 4;
-    i1[j] = 16 * ((d1 / 4) % 2) + 4 * (d1 / 8) + d1 % 4;
-  }
-  const __m512i x0 = _mm512_load_si512(i0), x1 = _mm512_load_si512(i1);
-  for (int r = 0; r < n; ++r)
-    for (int d = 0; d < Dv; d += 32) {
-      float* o = O + (int64_t)r * ld + d;
-      const __m512 a = _mm512_loadu_ps(o), b = _mm512_loadu_ps(o + 16);
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, x0, b));
-      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, x1, b));
-    }
+  // (column d = 8 L + 4 h + i of a block lies at 16 h + 4 L + i)
+  column_order_rows(O, ld, n, Dv, [](int d) { return 16 * ((d / 4) % 2) + 4 * (d / 8) + d % 4; });
 }
 #endif
 
@@ -861,19 +868,8 @@ struct SplitDot {
 
 // n rows of O (ld floats apart, Dv a multiple of 32) from split order to column order.
 static void split_order_rows(float* O, int64_t ld, int n, int Dv) {
-  alignas(64) int32_t i0[16], i1[16];
-  for (int j = 0; j < 16; ++j) {  // column 2 i lies at i, column 2 i + 1 at 16 + i
-    i0[j] = (j % 2) * 16 + j / 2;
-    i1[j] = ((16 + j) % 2) * 16 + (16 + j) / 2;
-  }
-  const __m512i x0 = _mm512_load_si512(i0), x1 = _mm512_load_si512(i1);
-  for (int r = 0; r < n; ++r)
-    for (int d = 0; d < Dv; d += 32) {
-      float* o = O + (int64_t)r * ld + d;
-      const __m512 a = _mm512_loadu_ps(o), b = _mm512_loadu_ps(o + 16);
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(a, x0, b));
-      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a, x1, b));
-    }
+  // (column 2 i lies at i, column 2 i + 1 at 16 + i)
+  column_order_rows(O, ld, n, Dv, [](int d) { return (d % 2) * 16 + d / 2; });
 }
 #endif
 #if defined(__AVX512BF16__)
