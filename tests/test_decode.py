@@ -223,3 +223,46 @@ def test_pallas_packs_gqa_rows(monkeypatch):
     truth = attend("reference")
     assert_close("pallas packed decode", attend("pallas"), truth, truth, jnp.float32)
     assert packed == [True]
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_pallas_packs_gqa_rows_of_mods_that_read_h(sq, monkeypatch):
+    """Mods that read h pack a GQA group's heads into one tile too (GPU template, interpret
+    mode here), each row getting its own head: ALiBi from a captured float table (hoisted
+    per head, gradient checked), a per-head table read by h and kv_idx - q_idx in the
+    kernel, and arithmetic on h; forward, lse and gradients against the reference. A
+    mask_mod reading h has per-head lists (its BlockMask is built with H=Hq): one program per
+    head, with the same checks."""
+    from flexjax.backends.pallas import _decode as pallas_decode
+
+    packed = []
+    real = pallas_decode._packs
+    monkeypatch.setattr(pallas_decode, "_packs", lambda *a: packed.append(real(*a)) or packed[-1])
+    q, k, v, do, tab = _inputs(sq, seed=sq)
+    rel = jax.random.normal(jax.random.key(9), (HQ, 2 * SKV))
+    lengths = jnp.array([SKV - 5, 61], jnp.int32)
+    causal = masks.causal_bottom_right(sq, lengths)
+
+    def odd_heads_see_less(b, h, q_idx, kv_idx):  # heads 1 and 3 see only the last 40 positions
+        return (h % 2 == 0) | (kv_idx >= lengths[b] - 40)
+
+    scores = {"alibi": _score,
+              "table[h, kv - q]": lambda t: lambda s, b, h, q_idx, kv_idx: s + rel[h, kv_idx - q_idx + SKV],
+              "h arithmetic": lambda t: lambda s, b, h, q_idx, kv_idx: s * (1.0 + 0.25 * h.astype(s.dtype))}
+    cases = [(name, score, flexjax.and_masks(masks.padding(lengths), causal), None, True)
+             for name, score in scores.items()]
+    cases += [("mask reads h", _score, flexjax.and_masks(masks.padding(lengths), causal, odd_heads_see_less), HQ,
+               False)]
+    for name, score, mask, heads, packs in cases:
+        bm = flexjax.create_block_mask(mask, B, heads, sq, SKV, block_size=32)
+
+        def loss(q, k, v, tab, backend, score=score, bm=bm):
+            out, lse = flexjax.flex_attention(q, k, v, score(tab), bm, return_lse=True, backend=backend)
+            return jnp.sum(out * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+        (_, want), g_want = grad(q, k, v, tab, "reference")
+        packed.clear()
+        (_, got), g_got = grad(q, k, v, tab, "pallas")
+        assert_close(f"pallas decode, {name}", (got, g_got), (want, g_want), (want, g_want), jnp.float32)
+        assert packed and set(packed) == {packs}, name

@@ -216,7 +216,7 @@ def test_errors():
         paged.flex_attention(q, k_pages, v_pages, table, lengths, backend="triton")
 
 
-def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int):
+def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int, score_mod=None):
     """The HLO text of a contiguous and a paged decode step (bf16, B=2, Hq=4, Hkv=2, pages of
     ``block``) lowered for ``target`` from this CPU host."""
     from jax.sharding import AbstractDevice, AbstractMesh
@@ -225,11 +225,11 @@ def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int):
     opts = {"target": target}
 
     def contiguous(q, k, v, pos):
-        return flexjax.flex_attention(q, k, v, block_mask=paged.decode_block_mask(bm, pos), backend="pallas",
+        return flexjax.flex_attention(q, k, v, score_mod, paged.decode_block_mask(bm, pos), backend="pallas",
                                       kernel_options=opts)
 
     def paged_step(q, kp, vp, table, pos):
-        return paged.flex_attention(q, kp, vp, table, pos + 1, block_mask=paged.decode_block_mask(bm, pos),
+        return paged.flex_attention(q, kp, vp, table, pos + 1, score_mod, paged.decode_block_mask(bm, pos),
                                     backend="pallas", kernel_options=opts)
 
     q = jax.ShapeDtypeStruct((2, 1, 4, D), jnp.bfloat16)
@@ -244,10 +244,20 @@ def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-def test_pallas_decode_kernels_lower_for_cuda():
-    """The decode and paged kernels lower through Triton from this CPU host (page table as an int32 ref)."""
-    for text in _lowered_decode_steps("cuda", "NVIDIA H100 80GB HBM3", D=64, block=64, L=256):
-        assert "flexjax_decode" in text
+def test_pallas_decode_kernels_lower_for_cuda(monkeypatch):
+    """The decode and paged kernels lower through Triton from this CPU host (page table as an int32 ref),
+    also with an ALiBi score_mod, whose heads are packed in the tile rows (each row's head a
+    (rows, 1) tile, a per-head table read by it)."""
+    from flexjax.backends.pallas import _decode as pallas_decode
+
+    packed = []
+    real = pallas_decode._packs
+    monkeypatch.setattr(pallas_decode, "_packs", lambda *a: packed.append(real(*a)) or packed[-1])
+    slopes = jnp.linspace(0.1, 0.8, 4)
+    for score in (None, _alibi(slopes)):
+        for text in _lowered_decode_steps("cuda", "NVIDIA H100 80GB HBM3", D=64, block=64, L=256, score_mod=score):
+            assert "flexjax_decode" in text
+    assert packed == [True] * 4
 
 
 # -- the TPU decode kernel (Mosaic template, interpret mode here) ------------------------------

@@ -9,9 +9,12 @@ sequence's length cost nothing. Paged KV: K/V are page pools read through the pa
 table, an int32 ref, in logical positions. Residuals are the pallas backward's (row max,
 row sum), so the backward is the usual one.
 
-When neither mod reads ``h`` (causal, windows, padding, soft-cap...), the query heads of a
-GQA group and the queries share one tile's rows, so K/V are read once per kv head; mods
-that read ``h`` (ALiBi, per-head masks) get one program per query head.
+The query heads of a GQA group and the queries share one tile's rows, so K/V are read once
+per kv head. Mods that read ``h`` (ALiBi, per-head tables) pack on the GPU template where
+the tile lists are shared by every head (a BlockMask built with ``H=None``): each row's
+head reaches the mods as a (rows, 1) tile, hoisted per-(head, query) values are laid out
+per packed row; hoisted per-(head, key) values, per-head lists and TPU's kernel take one
+program per query head.
 
 TPU (Mosaic): program (batch, head, chunk) walks only its share of the row's tiles, the
 counts read from the scalar-prefetched lists at run time (a grid step per tile of the
@@ -83,15 +86,17 @@ def tpu_reason(spec, q, v, lists, mods: Mods) -> str | None:
     return None
 
 
-def _packs(spec, g, s_pro, m_pro) -> bool:
+def _packs(spec, g, s_pro, m_pro, tpu: bool) -> bool:
     """Whether the query heads of a GQA group share one tile: more than one head per kv
-    head, one q block, and mods that never read ``h`` (their row values then are per query
-    position only)."""
+    head and one q block. Mods that read ``h`` pack too on the GPU template (not TPU's),
+    where the tile lists are shared by every head and no hoisted column value depends on
+    h: the kernel parts then get each row's head as a (rows, 1) tile, and the hoisted row
+    values are laid out per packed row (its head and query)."""
     if g.G == 1 or g.sq != g.cq:
         return False
-    if any(m is not None and "h" in m.uses for m in (spec.score, spec.mask)):
-        return False
-    return all(x.shape[1] == 1 for p in (s_pro, m_pro) for x in (*p.rows, *p.cols))
+    if not any(m is not None and "h" in m.uses for m in (spec.score, spec.mask)):
+        return all(x.shape[1] == 1 for p in (s_pro, m_pro) for x in (*p.rows, *p.cols))
+    return not tpu and g.Hm == 1 and all(x.shape[1] == 1 for p in (s_pro, m_pro) for x in p.cols)
 
 
 def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, pack: int):
@@ -103,13 +108,14 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
     o_ref, m_ref, l_ref = _take(it, 3)
     c, i, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if pack > 1:
-        # Rows r = g * Sq + s of kv head kvh: query s of query head kvh * G + g (the mods
-        # read no h, so h only picks the lists' and prologues' head).
+        # Rows r = g * Sq + s of kv head kvh: query s of query head kvh * G + g. h picks the
+        # lists' head (shared by every head), pro_h the hoisted rows' (laid out per packed row
+        # over kv heads), and the mods read each row's head from the tile.
         b, kvh = _div(bh, g.Hkv), _rem(bh, g.Hkv)
-        h, row = kvh * g.G, 0
+        h, row, pro_h = kvh * g.G, 0, kvh
     else:
         b, h = _div(bh, g.Hq), _rem(bh, g.Hq)
-        kvh, row = _div(h, g.G), _div(i, g.sub_q)
+        kvh, row, pro_h = _div(h, g.G), _div(i, g.sub_q), h
     prog = _Program(g, b, h)
     q = q_ref[...]
     q_start = i * g.tq
@@ -125,7 +131,9 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
             return prog.tile(h, q_start, ks)
         r = lax.broadcasted_iota(jnp.int32, (g.tq, 1), 0)
         ki = ks + lax.broadcasted_iota(jnp.int32, (1, g.tk), 1)
-        return Tile(b, h, lax.rem(r, jnp.int32(g.q_len)), jnp.minimum(ki, g.kv_len - 1),
+        # (Padding rows past the group's take its last head: mods see only real heads.)
+        h_rows = h + _div(jnp.minimum(r, jnp.int32(pack * g.q_len - 1)), g.q_len)
+        return Tile(b, h_rows, lax.rem(r, jnp.int32(g.q_len)), jnp.minimum(ki, g.kv_len - 1),
                     r < pack * g.q_len, ki < g.kv_len)
 
     def load(ref, ks):
@@ -143,8 +151,8 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
             k, v = load(k_ref, ks), load(v_ref, ks)
             tl = tile(ks)
             return forward_tile(mods, carry, q, k, v, tl, scale, masked,
-                                prog.mod_inputs(s_refs, *s_uses, h, q_start, ks),
-                                prog.mod_inputs(m_refs, *m_uses, h, q_start, ks))
+                                prog.mod_inputs(s_refs, *s_uses, pro_h, q_start, ks),
+                                prog.mod_inputs(m_refs, *m_uses, pro_h, q_start, ks))
 
         return step
 
@@ -301,7 +309,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
         k, v = pad_axis(k, 1, g.skv), pad_axis(v, 1, g.skv)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     G, R = g.G, g.G * Sq
-    pack = G if _packs(spec, g, s_pro, m_pro) else 1
+    pack = G if _packs(spec, g, s_pro, m_pro, tpu) else 1
     if pack > 1:
         # The G query heads of a kv head and the Sq queries become the rows of one tile
         # (row g * Sq + s), laid out as a sequence of R rows over Hkv heads, so K/V are
@@ -311,8 +319,14 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
             tq = -(-R // 16) * 16
         qp = pad_axis(q.reshape(B, Sq, g.Hkv, G, D).transpose(0, 3, 1, 2, 4).reshape(B, R, g.Hkv, D), 1, tq)
         r = jnp.arange(tq)
-        rows_of = jnp.where(r < R, r % Sq, 0)
-        s_pro, m_pro = (dataclasses.replace(p, rows=tuple(x[:, :, rows_of] for x in p.rows)) for p in (s_pro, m_pro))
+        rows_of, heads_of = jnp.where(r < R, r % Sq, 0), jnp.where(r < R, r // Sq, 0)
+
+        def per_row(x):  # a hoisted row value (B', H', sq, 1) -> (B', 1 or Hkv, tq, 1) in packed rows
+            if x.shape[1] == 1:
+                return x[:, :, rows_of]
+            return x.reshape(x.shape[0], g.Hkv, G, *x.shape[2:])[:, :, heads_of, rows_of]
+
+        s_pro, m_pro = (dataclasses.replace(p, rows=tuple(per_row(x) for x in p.rows)) for p in (s_pro, m_pro))
         g = dataclasses.replace(g, tq=tq)
     H, Gp = (g.Hkv, 1) if pack > 1 else (Hq, G)
     nqt = 1 if pack > 1 else -(-Sq // tq)
