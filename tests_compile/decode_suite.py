@@ -1,11 +1,15 @@
-"""AOT-compiles the pallas TPU decode kernel (contiguous and paged caches) for TPU v5e from a CPU host.
+"""AOT-compiles the pallas decode kernels (contiguous and paged caches) for TPU v5e and for
+an H100 (sm_90) from a CPU host.
 
-Run by ``make test-compile`` inside ``build/venv-compile`` (pip ``libtpu``): one decode step
-per case, {bfloat16, float32} x Sq {1, 4} x {causal, sliding window} x score_mod {none,
-soft-cap (heads packed), ALiBi (reads h: one program per head), a captured bias along
-kv_idx} x {contiguous, paged}, B=2, Hq=8, Hkv=2, D=128, a 4096-token cache, 256-token
-pages. Every case must compile through Mosaic and take the decode kernel; it prints one
-line per case and exits non-zero on any failure.
+Run by ``make test-compile`` inside ``build/venv-compile`` (pip ``libtpu``, the CUDA plugin):
+one decode step per case, {bfloat16, float32} x Sq {1, 4} x {causal, sliding window} x
+score_mod {none, soft-cap, ALiBi (reads h), a captured bias along kv_idx} x {contiguous,
+paged}, B=2, Hq=8, Hkv=2, D=128, a 4096-token cache, 256-token pages; on cuda also a
+per-head table read by h and kv_idx - q_idx. TPU's kernel packs the heads of a GQA group
+only for mods that do not read h (ALiBi: one program per head), the GPU template for all of
+these (each row's head a tile). Every case must compile (Mosaic; Triton through XLA's GPU
+compiler) and take the decode kernel; it prints one line per case (the packing of each call)
+and exits non-zero on any failure.
 
     python tests_compile/decode_suite.py
 """
@@ -34,25 +38,51 @@ from flexjax import masks, mods, paged  # noqa: E402
 from flexjax.backends.pallas import _decode  # noqa: E402
 
 TPU_TOPOLOGY = "v5e:2x2"
+TARGET_CONFIG = os.path.join(HERE, "h100_target_config.txtpb")
 B, HQ, HKV, D, L, PS = 2, 8, 2, 128, 4096, 256
 
 
 def main() -> int:
     used = []
-    real = _decode._tpu_call
+    real_tpu, real_packs = _decode._tpu_call, _decode._packs
 
     def spy(*args, **kwargs):
         used.append(args[10])
-        return real(*args, **kwargs)
+        return real_tpu(*args, **kwargs)
 
-    _decode._tpu_call = spy
-    topo = topologies.get_topology_desc(TPU_TOPOLOGY, "tpu")
-    mesh = Mesh(np.array(topo.devices[:1]), ("x",))
+    def packs(*args):  # (cuda: the GPU template's packing, G heads a tile or 1)
+        p = real_packs(*args)
+        if not args[-1]:
+            used.append(HQ // HKV if p else 1)
+        return p
+
+    _decode._tpu_call, _decode._packs = spy, packs
+    fails = 0
+    for target in ("tpu", "cuda"):
+        fails += _suite(target, used)
+    print(f"{fails} failures")
+    return 1 if fails else 0
+
+
+def _mesh(target: str):
+    if target == "tpu":
+        topo = topologies.get_topology_desc(TPU_TOPOLOGY, "tpu")
+        return Mesh(np.array(topo.devices[:1]), ("x",))
+    with open(TARGET_CONFIG) as f:
+        topo = topologies.get_topology_desc("", "cuda", target_config=f.read(), topology="1x1x1")
+    return Mesh(np.array(topo.devices), ("x",))
+
+
+def _suite(target: str, used: list) -> int:
+    mesh = _mesh(target)
     sh = NamedSharding(mesh, P())
     bias = jnp.zeros((L,), jnp.float32)
+    rel = jnp.zeros((HQ, 2 * L), jnp.float32)
     scores = {"none": None, "soft-cap": mods.soft_cap(30.0),
               "alibi": lambda s, b, h, q_idx, kv_idx: s - (h + 1) * 0.1 * (q_idx - kv_idx),
               "kv bias": lambda s, b, h, q_idx, kv_idx: s + bias[kv_idx]}
+    if target == "cuda":
+        scores["table[h, kv - q]"] = lambda s, b, h, q_idx, kv_idx: s + rel[h, kv_idx - q_idx + L]
     mask_mods = {"causal": masks.causal, "window 1024": masks.sliding_window(1024)}
     fails = 0
     for dt, sq, mname, sname, kind in itertools.product((jnp.bfloat16, jnp.float32), (1, 4), mask_mods, scores,
@@ -62,7 +92,7 @@ def main() -> int:
 
         def step(q, k, v, pos, table, bm=bm, score=score, kind=kind, sq=sq):
             step_bm = paged.decode_block_mask(bm, pos, q_len=sq)
-            opts = {"target": "tpu"}
+            opts = {"target": target}
             if kind == "contiguous":
                 return flexjax.flex_attention(q, k, v, score, step_bm, backend="pallas", kernel_options=opts)
             return paged.flex_attention(q, k, v, table, pos + sq, score, step_bm, backend="pallas",
@@ -81,10 +111,9 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001  (every compile error is a reported failure)
             status = "FAIL: " + next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
         fails += status != "ok"
-        print(f"{jnp.dtype(dt).name} Sq={sq} {mname}, {sname}, {kind}: {status} (packed heads: {used}) "
+        print(f"{target} {jnp.dtype(dt).name} Sq={sq} {mname}, {sname}, {kind}: {status} (packed heads: {used}) "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"{fails} failures")
-    return 1 if fails else 0
+    return fails
 
 
 if __name__ == "__main__":
