@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _dropout
 from ._block_mask import (
     EMPTY,
     FULL,
@@ -385,8 +386,8 @@ def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[
 
 
 def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *,
-                   scale=None, return_lse: bool = False, return_aux=None, sinks=None, backend: str | None = None,
-                   kernel_options: dict | None = None):
+                   scale=None, return_lse: bool = False, return_aux=None, sinks=None, dropout_rate: float = 0.0,
+                   dropout_rng=None, backend: str | None = None, kernel_options: dict | None = None):
     """``flexjax.flex_attention`` over a paged KV cache, reading pages through the table.
 
     The block mask and mods are written in logical positions, as if the cache were
@@ -409,6 +410,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         the modified, unmasked scores over the sequence's valid keys; -inf where none).
       sinks: attention sinks, float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``
         (logits joining every row's normalizer; ``jax.grad`` reaches them).
+      dropout_rate, dropout_rng: as in ``flexjax.flex_attention``; the paged kernels are
+        decode paths and have no dropout, so a rate above 0 raises ``NotImplementedError``
+        (``flexjax.flex_attention`` on ``gather(k_pages, page_table)`` has it).
       backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
         ``Sq <= 64``: the GPU template, or on TPU the Mosaic kernel, which needs head dims
         that are multiples of 128 and a BlockMask built with ``H=None``; interpret mode on
@@ -432,6 +436,10 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
                          f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
                          f"{getattr(v_pages, 'shape', None)}")
     _check_outputs(return_lse, return_aux)
+    if _dropout.check_rate(dropout_rate) > 0:
+        raise NotImplementedError("flexjax.paged.flex_attention has no dropout (its kernels are decode paths): "
+                                  "pass dropout_rate=0.0, or call flexjax.flex_attention on "
+                                  "flexjax.paged.gather(k_pages, page_table) and its v_pages")
     B, Sq, Hq, D = query.shape
     sinks = _check_sinks(sinks, Hq)
     ps = k_pages.shape[1]

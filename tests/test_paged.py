@@ -214,6 +214,13 @@ def test_errors():
         paged.flex_attention(q, k_pages, v_pages, table, lengths[:2])
     with pytest.raises(NotImplementedError, match="xla and pallas"):
         paged.flex_attention(q, k_pages, v_pages, table, lengths, backend="triton")
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="dropout_rate"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, dropout_rate=1.5)
+    out = paged.flex_attention(q, k_pages, v_pages, table, lengths, dropout_rate=0.0)  # rate 0: as without
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged.flex_attention(q, k_pages, v_pages, table,
+                                                                                    lengths)))
 
 
 def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int, score_mod=None):
