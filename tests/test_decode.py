@@ -225,14 +225,14 @@ def test_pallas_packs_gqa_rows(monkeypatch):
     assert packed == [True]
 
 
-@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("sq", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_pallas_packs_gqa_rows_of_mods_that_read_h(sq, monkeypatch):
     """Mods that read h pack a GQA group's heads into one tile too (GPU template, interpret
     mode here), each row getting its own head: ALiBi from a captured float table (hoisted
-    per head, gradient checked), a per-head table read by h and kv_idx - q_idx in the
-    kernel, and arithmetic on h; forward, lse and gradients against the reference. A
-    mask_mod reading h has per-head lists (its BlockMask is built with H=Hq): one program per
-    head, with the same checks."""
+    per head; gradients of q, k, v and the table too, through the backward that reads the
+    packed forward's row statistics), a per-head table read by h and kv_idx - q_idx in the
+    kernel, and arithmetic on h; forward and lse against the reference. A mask_mod reading h
+    has per-head lists (its BlockMask is built with H=Hq): one program per head, same checks."""
     from flexjax.backends.pallas import _decode as pallas_decode
 
     packed = []
@@ -260,9 +260,12 @@ def test_pallas_packs_gqa_rows_of_mods_that_read_h(sq, monkeypatch):
             out, lse = flexjax.flex_attention(q, k, v, score(tab), bm, return_lse=True, backend=backend)
             return jnp.sum(out * do) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
-        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
-        (_, want), g_want = grad(q, k, v, tab, "reference")
+        if name == "alibi":
+            run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+        else:
+            run = jax.jit(lambda *a, loss=loss: loss(*a)[1], static_argnums=4)
+        want = run(q, k, v, tab, "reference")
         packed.clear()
-        (_, got), g_got = grad(q, k, v, tab, "pallas")
-        assert_close(f"pallas decode, {name}", (got, g_got), (want, g_want), (want, g_want), jnp.float32)
+        got = run(q, k, v, tab, "pallas")
+        assert_close(f"pallas decode, {name}", got, want, want, jnp.float32)
         assert packed and set(packed) == {packs}, name
