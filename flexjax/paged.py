@@ -246,8 +246,8 @@ def reserve(page_table, free_pages, new_lengths, page_size: int):
     pages_needed = -(-n // page_size)
     need = (jnp.arange(max_pages, dtype=jnp.int32)[None, :] < pages_needed[:, None]) & (pt < 0)
     rank = jnp.cumsum(need.reshape(-1).astype(jnp.int32)).reshape(B, max_pages) - 1
-    # Free pages first, each group in ascending order.
-    order = jnp.argsort(~free, stable=True).astype(jnp.int32)
+    # The free pages in ascending order (a cumulative sum, not a sort: this runs every step).
+    order = jnp.nonzero(free, size=num_pages, fill_value=0)[0].astype(jnp.int32)
     ok = (need.sum() <= free.sum()) & jnp.all((n >= 0) & (n <= max_pages * page_size))
     take = need & ok
     assigned = order[jnp.clip(rank, 0, num_pages - 1)]

@@ -253,9 +253,7 @@ static inline void pv_block(const float* P, int ldP, const typename E::T* V, int
     v16 vv[NV];
     const typename E::T* vr = V + (int64_t)c * vs + v0;
     if constexpr (E::split) {  // (NV even: pv_range takes split rows in 32-element blocks)
-#if defined(__AVX512F__)
-      for (int j = 0; j + 1 < NV; j += 2) BF16S::ld2(vr + 16 * j, &vv[j], &vv[j + 1]);
-#endif
+      for (int j = 0; j + 1 < NV; j += 2) E::ld2(vr + 16 * j, &vv[j], &vv[j + 1]);
     } else {
       for (int j = 0; j < NV; ++j) vv[j] = E::ld(vr + 16 * j);
     }
