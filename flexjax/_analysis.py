@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from ._jaxpr import call_body
+
 
 @dataclasses.dataclass
 class Num:
@@ -469,27 +471,6 @@ _RULES = {
 }
 
 
-# Equations that call their sub-jaxpr once on their operands (not loops such as scan, whose
-# body also has a ``jaxpr`` parameter but runs many times).
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr", "remat", "checkpoint"})
-
-
-def _sub_jaxpr(eqn):
-    """The (jaxpr, consts) of a call-like equation (jit, closed_call, custom_jvp ...), or None."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(key)
-        if sub is None:
-            continue
-        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
-            return sub.jaxpr, sub.consts
-        if hasattr(sub, "eqns"):
-            return sub, ()
-    return None
-
-
 def _top_for(var):
     return _unknown_bool() if var.aval.dtype == jnp.bool_ else TOP
 
@@ -508,9 +489,9 @@ def _eval(jaxpr, consts, args):
         env[v] = a
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        sub = _sub_jaxpr(eqn)
+        sub = call_body(eqn)
         rule = _RULES.get(eqn.primitive.name)
-        if sub is not None and len(sub[0].invars) == len(ins):
+        if sub is not None:
             outs = _eval(sub[0], sub[1], ins)
         elif rule is not None and len(eqn.outvars) == 1:
             outs = [rule(eqn, *ins)]

@@ -34,6 +34,7 @@ has no translation for, before any kernel is built.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -45,15 +46,12 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from ._jaxpr import CALL_BODY, body_of, call_body, collect_prims, open_jaxpr
 from ._trace import StaticMod
 
 # Primitives that only rename or reshape a value that has one element per position.
 _SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
                          "reduce_sum", "reduce_max", "reduce_min", "transpose"})
-# Call-like primitives whose body is inlined ("remat2" is jax.checkpoint's).
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr"}
 # Primitives the DESIGN lists as broken inside Triton kernels even where a rule exists.
 _TRITON_GAPS = frozenset({"erf", "round", "sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
 _MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
@@ -92,26 +90,6 @@ def _size1(aval) -> bool:
     return int(np.prod(aval.shape)) == 1
 
 
-def _open(sub):
-    """``(jaxpr, consts)``: a sub-jaxpr and the values of its constvars.
-
-    JAX 0.10 wraps a Jaxpr in a ClosedJaxpr that holds the consts. JAX 0.11 has one Jaxpr
-    class that carries its consts (``ClosedJaxpr`` is an alias of it, and ``.jaxpr`` a
-    legacy accessor returning itself), so the class no longer tells closed from open.
-    """
-    if isinstance(sub, jex_core.Jaxpr):
-        return sub, tuple(getattr(sub, "consts", ()))
-    return sub.jaxpr, tuple(sub.consts)
-
-
-def _sub_jaxprs(params):
-    """The jaxprs among an equation's params (cond's branches come as a tuple)."""
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(x, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                yield _open(x)[0]
-
-
 class _Flattener:
     """Inlines call primitives so the mod becomes one flat list of nodes."""
 
@@ -144,18 +122,13 @@ class _Flattener:
                 self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
                                        tuple(v.aval for v in eqn.invars),
                                        tuple(v.aval for v in eqn.outvars)))
-            elif name in _CALLS:
-                sub = eqn.params.get(_CALLS[name])
-                if sub is None:
+            elif name in CALL_BODY:
+                body = call_body(eqn)
+                if body is None:
                     raise NotImplementedError(
                         f"the {self.backend} backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
-                sub, consts = _open(sub)
-                ins = [self._const(c) for c in consts] + ins
-                sub_invars = [*sub.constvars, *sub.invars]
-                if len(ins) != len(sub_invars):
-                    raise NotImplementedError(
-                        f"the {self.backend} backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
-                outs = self.run(sub, ins, sub_invars)
+                sub, consts = body
+                outs = self.run(sub, [self._const(c) for c in consts] + ins, [*sub.constvars, *sub.invars])
             else:
                 outs = [self.new(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
@@ -173,15 +146,32 @@ class _Flattener:
         return Lit(arr.reshape(()))
 
 
+def inline_call(node: Node, mod_name: str, backend: str):
+    """A kept call node (``custom_jvp_call``) flattened: ``(nodes, body_ins, body_outs)``.
+
+    Code generators whose target has no autodiff emit the body in place; ``body_ins``
+    take the node's operands.
+    """
+    body = body_of(node.prim.name, node.params, len(node.ins), len(node.outs))
+    if body is None:
+        raise NotImplementedError(
+            f"the {backend} backend cannot inline primitive {node.prim.name!r} in mod {mod_name!r}")
+    sub, consts = body
+    fl = _Flattener(mod_name, backend)
+    sub_ins = [fl.new(v.aval) for v in sub.invars]
+    outs = fl.run(sub, [fl._const(c) for c in consts] + sub_ins, [*sub.constvars, *sub.invars])
+    return fl.nodes, sub_ins, outs
+
+
 def _elementwise_call(eqn) -> bool:
     """A call on scalars whose body reads no captured array (so the analysis needs no look inside)."""
     if len(eqn.outvars) != 1 or any(not _size1(v.aval) for v in (*eqn.invars, *eqn.outvars)):
         return False
-    sub, consts = _open(eqn.params["call_jaxpr"])
+    sub, consts = open_jaxpr(eqn.params["call_jaxpr"])
     if any(np.size(c) != 1 for c in consts):
         return False
     return not ({"dynamic_slice", "gather", "dynamic_update_slice", "scatter", "scatter-add"}
-                & _collect_prims(sub, set()))
+                & collect_prims(sub))
 
 
 def bind(node: Node, vals):
@@ -571,12 +561,22 @@ def _check_prims(prims, target: str, mod_name: str, where: str):
                 f"for {lowering}; rewrite the mod without it or use backend='xla'")
 
 
-def _collect_prims(jaxpr, acc: set):
-    for eqn in jaxpr.eqns:
-        acc.add(eqn.primitive.name)
-        for sub in _sub_jaxprs(eqn.params):
-            _collect_prims(sub, acc)
-    return acc
+@contextlib.contextmanager
+def refusing(backend: str, mod_name: str, what: str = "compile"):
+    """Turns any exception but NotImplementedError into one: a backend's "can you serve this"
+    question answers with a refusal (which ``backend=None`` falls past), never a crash.
+
+    Such an exception is a flexjax bug; the refusal says so, names the mod and keeps the
+    original as its cause.
+    """
+    try:
+        yield
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise NotImplementedError(
+            f"the {backend} backend failed to {what} mod {mod_name!r} ({type(e).__name__}: {e}); this is a flexjax "
+            "bug, please report it with the mod; backend='xla' serves the call meanwhile") from e
 
 
 @functools.lru_cache(maxsize=256)
@@ -585,10 +585,16 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
 
     Raises:
       NotImplementedError: naming the primitive (or array read) and the mod that the
-        target cannot take.
+        target cannot take; any other failure is reported as one (``refusing``).
+      ValueError: ``target`` is not one of ``TARGETS``.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    with refusing(_BACKEND[target], mod.name):
+        return _compile_mod(mod, target)
+
+
+def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     jaxpr = mod.jaxpr
     fl = _Flattener(mod.name, _BACKEND[target])
     ins = [fl.new(v.aval) for v in jaxpr.invars]
@@ -622,20 +628,22 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
             if src == "k" or src == "arg":
                 continue
             aval = fl.avals[x]
-            if _size1(aval) and "arr" in deps[x] and not (deps[x] <= {"arr"} and aval.shape != ()):
-                hoisted = hoisted_by_side[src]
-                if x not in hoisted:
-                    hoisted.append(x)
-            elif is_read and pos == 0 and deps[x] <= {"arr"}:
+            if is_read and pos == 0 and deps[x] <= {"arr"}:
                 if x not in arrays:
                     arrays.append(x)
+            elif _size1(aval) and "arr" in deps[x]:
+                # A captured scalar (src "const") is hoisted as a row that reads no position.
+                hoisted = hoisted_by_side["q" if src == "const" else src]
+                if x not in hoisted:
+                    hoisted.append(x)
             else:
                 raise NotImplementedError(
                     f"mod {mod.name!r} computes with a whole captured array of shape {aval.shape} "
                     f"(primitive {node.prim.name!r}); the {_BACKEND[target]} backend reads captured arrays one element "
                     "per position: index them in one step, e.g. table[h, kv_idx - q_idx]")
-    if not isinstance(out, Lit) and produced.get(out, "k") != "k":
-        hoisted = hoisted_by_side[produced[out]]
+    out_src = "k" if isinstance(out, Lit) or out in args else produced.get(out, "q")
+    if out_src != "k":
+        hoisted = hoisted_by_side[out_src]
         if out not in hoisted:
             hoisted.append(out)
     for node, s in zip(nodes, side):
@@ -686,12 +694,12 @@ def _check_kernel_part(c: CompiledMod):
     cols = tuple(jnp.zeros((1, tk), c.storage_dtype(v)) for v in c.cols)
     loaded = tuple(jnp.zeros((tq, tk), node.out_avals[0].dtype) for node in reads)
     score = jnp.zeros((tq, tk), jnp.float32) if c.mod.kind == "score" else None
-    prims = _collect_prims(jax.make_jaxpr(f)(score, rows, cols, loaded).jaxpr, set())
+    prims = collect_prims(jax.make_jaxpr(f)(score, rows, cols, loaded).jaxpr)
     _check_prims(prims, c.target, c.name, "")
     if c.mod.kind == "score":
         def g(score, rows, cols, loaded):
             _, vjp = jax.vjp(f, score, rows, cols, loaded)
             return vjp(jnp.ones((tq, tk), jnp.float32))
 
-        prims = _collect_prims(jax.make_jaxpr(g)(score, rows, cols, loaded).jaxpr, set())
+        prims = collect_prims(jax.make_jaxpr(g)(score, rows, cols, loaded).jaxpr)
         _check_prims(prims, c.target, c.name, " in its gradient")

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from ._jaxpr import live_invars
+
 _I32 = jax.ShapeDtypeStruct((), jnp.int32)
 
 #: Names of the mod arguments, in order, for error messages.
@@ -172,14 +174,11 @@ def _used_args(jaxpr, names: Sequence[str], num_consts: int) -> frozenset:
     """The mod arguments the jaxpr's output depends on (dead reads do not count).
 
     Mods are pure, so an equation none of whose outputs is live is dead: a mod that
-    computes ``b + offset`` and never uses it does not read ``b``.
+    computes ``b + offset`` and never uses it does not read ``b``. Calls (``jax.jit``,
+    ``jax.checkpoint`` ...) are entered, so wrapping a mod in one changes nothing.
     """
-    live = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    arg_vars = jaxpr.invars[num_consts:]
-    return frozenset(n for n, v in zip(names, arg_vars) if v in live)
+    live = live_invars(jaxpr, [True] * len(jaxpr.outvars))[len(jaxpr.constvars) + num_consts:]
+    return frozenset(n for n, used in zip(names, live) if used)
 
 
 def trace_mod(fn: Callable, kind: str, *, arg_name: str, score_dtype=jnp.float32) -> TracedMod:

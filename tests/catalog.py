@@ -59,6 +59,30 @@ def _head_dependent(b, h, q_idx, kv_idx):
     return jnp.where(h % 2 == 0, q_idx >= kv_idx, jnp.abs(q_idx - kv_idx - b) <= 24)
 
 
+def _scalar_params(H, Sq, Skv):
+    return {"temp": jnp.float32(0.7), "table": _rel_table(H, Sq, Skv)["table"]}
+
+
+def _scalar_score(p, Sq, Skv):
+    """Captured 0-d arrays in the score (a float temperature) and in an index (an int32 offset)."""
+    temp, table, off = p["temp"], p["table"], jnp.int32(max(Sq, Skv) - 1)
+
+    def captured_scalars(score, b, h, q_idx, kv_idx):
+        return score * temp + table[h, q_idx - kv_idx + off]
+
+    return captured_scalars
+
+
+def _scalar_mask(div, lim):
+    """A causal band written with a captured 0-d int divisor and limit: (q - kv) // div < lim."""
+    div, lim = jnp.int32(div), jnp.int32(lim)
+
+    def banded_by_scalars(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) // div < lim)
+
+    return banded_by_scalars
+
+
 CATALOG = [
     Case("full"),
     Case("causal", mask=lambda B, H, Sq, Skv: masks.causal),
@@ -78,6 +102,11 @@ CATALOG = [
     Case("neg_inf_score", mask=lambda B, H, Sq, Skv: masks.causal, score=lambda p, H, Sq, Skv: _neg_inf_far),
     Case("per_head_mask+relative_bias", mask=lambda B, H, Sq, Skv: _head_dependent,
          score=lambda p, H, Sq, Skv: mods.relative_bias(p["table"]), params=_rel_table, per_head_mask=True),
+    # Captured 0-d arrays in the score, in an index and in the mask_mod (issue 28).
+    Case("captured_scalars", mask=lambda B, H, Sq, Skv: _scalar_mask(4, 12),
+         score=lambda p, H, Sq, Skv: _scalar_score(p, Sq, Skv), params=_scalar_params),
+    # Batch 0 has no valid key: with B == 1 the mask reads one captured 0-d length.
+    Case("padding_zero_length", mask=lambda B, H, Sq, Skv: masks.padding(jnp.asarray([0, Skv // 3][:B], jnp.int32))),
 ]
 
 BY_NAME = {c.name: c for c in CATALOG}
@@ -107,7 +136,7 @@ def build(case: Case, shape, block_size=64):
     if case.per_head_mask:
         bm = flexjax.create_block_mask(mask_mod, B, Hq, Sq, Skv, block_size=block_size)
     else:
-        uses_b = case.name in ("padding", "document+t5", "causal_bottom_right_cache")
+        uses_b = case.name in ("padding", "padding_zero_length", "document+t5", "causal_bottom_right_cache")
         bm = flexjax.create_block_mask(mask_mod, B if uses_b else None, None, Sq, Skv, block_size=block_size)
     params = case.params(Hq, Sq, Skv)
 

@@ -176,7 +176,7 @@ def test_kernel_options_are_checked():
 
     with pytest.raises(ValueError, match="block_q.*divide the BlockMask's block"):
         call({"block_q": 48})
-    with pytest.raises(ValueError, match="block_kv.*power of two >= 16"):
+    with pytest.raises(ValueError, match="block_kv.*multiple of 16"):
         call({"block_kv": 8})
     with pytest.raises(ValueError, match="target"):
         call({"target": "tpu"})
@@ -189,8 +189,8 @@ def test_kernel_options_are_checked():
     with pytest.raises(NotImplementedError, match=r"interpret'\]=False needs GPU kernels"):
         call({"interpret": False})
     odd = flexjax.create_block_mask(flexjax.masks.causal, None, None, 128, 128, block_size=48)
-    with pytest.raises(NotImplementedError, match="powers of two >= 16"):
-        call(None, odd)
+    with pytest.raises(ValueError, match="block_q.*multiple of 16"):
+        call({"block_q": 24}, odd)
 
 
 def test_heuristics():
@@ -202,6 +202,33 @@ def test_heuristics():
     assert (o.block_q, o.block_kv) == (32, 64)
     o = triton_backend.heuristics(80, (128, 128), 64, jnp.float16)
     assert (o.block_q, o.block_kv, o.num_stages, o.bwd_num_stages) == (128, 64, 2, 2)
-    # A tile that does not divide the block becomes the block.
-    o = triton_backend.heuristics(90, (64, 64), 64, jnp.bfloat16)
-    assert (o.block_q, o.block_kv) == (64, 64)
+    # A smaller power-of-two block is regrouped into the table's tile.
+    o = triton_backend.heuristics(90, (64, 16), 64, jnp.bfloat16)
+    assert (o.block_q, o.block_kv, o.bwd_block_q, o.bwd_block_kv) == (128, 64, 32, 64)
+    # Blocks that are not powers of two: regrouped within the tile, walked in power-of-two kernel tiles.
+    o = triton_backend.heuristics(90, (48, 80), 64, jnp.bfloat16)
+    assert (o.block_q, o.block_kv, o.bwd_block_q, o.bwd_block_kv) == (96, 80, 48, 80)
+    assert [triton_backend._kernel_tile(t) for t in (96, 80, 48, 192)] == [32, 16, 16, 64]
+    o = triton_backend.heuristics(90, (24, 40), 64, jnp.bfloat16)
+    assert (o.block_q, o.block_kv) == (96, 80)
+
+
+@pytest.mark.parametrize("block_size,options", [
+    ((48, 80), None),  # the BlockMask's own blocks, walked in 16-row power-of-two tiles
+    ((64, 64), {"block_q": 192, "block_kv": 128, "bwd_block_q": 192, "bwd_block_kv": 64}),  # a 192 tile
+    ((48, 48), {"block_q": 96, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 144}),
+], ids=["block_48x80", "tile_192", "mixed"])
+def test_any_multiple_of_16(block_size, options):
+    """Blocks and tiles that are multiples of 16 but not powers of two (issue 28): served exactly."""
+    shape = (1, 200, 230, 2, 1, 16, 16)
+    q, k, v, do = inputs(shape, jnp.float32)
+    bm = flexjax.create_block_mask(flexjax.masks.sliding_window(70), None, None, 200, 230, block_size=block_size)
+    table = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 2 * 230 - 1))
+
+    def attention(q, k, v, params, **kw):
+        return flexjax.flex_attention(q, k, v, flexjax.mods.relative_bias(params["table"]), bm, return_lse=True,
+                                      **kw)
+
+    got = loss_and_grads(attention, q, k, v, do, {"table": table}, backend="triton", kernel_options=options)
+    ref = loss_and_grads(attention, q, k, v, do, {"table": table}, backend="reference")
+    assert_close(f"blocks{block_size}", got, ref, ref, jnp.float32)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from .._api import _check_block_mask, _check_qkv, _zero_cotangent, register_sharded_dispatch
 from .._api import flex_attention as _flex_attention
 from .._block_mask import EMPTY, BlockMask
+from .._jaxpr import TRANSPARENT_CALLS, call_body
 from .._trace import StaticMod, trace_mod
 from ._layout import block_order, positions
 from ._specs import AttentionSpecs, active_specs, axes_of, make_specs
@@ -97,20 +98,23 @@ _SHARDING_PRIMITIVES = ("reshard", "sharding_constraint", "mesh_cast")
 
 
 def _inline(jaxpr, args):
-    """Evaluates ``jaxpr`` in the current trace context, inlining nested ``jit`` calls.
+    """Evaluates ``jaxpr`` in the current trace context, inlining nested calls.
 
     Each equation of a jaxpr (and each nested ``jit``) remembers the mesh it was traced
     under, and ``jax.core.eval_jaxpr`` switches back to it: a mod traced under
     ``jax.set_mesh`` with Explicit axes then fails on the Manual-axis values inside
-    ``shard_map``. Sub-jaxprs of other primitives (custom_jvp, cond, ...) are re-traced.
+    ``shard_map``. Calls that do not change derivatives (``jit``, ``jax.checkpoint`` ...,
+    ``_jaxpr.TRANSPARENT_CALLS``) are inlined; sub-jaxprs of other primitives (custom_jvp,
+    cond, ...) are re-traced.
     """
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], args, strict=True))
     read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in ("jit", "pjit"):
-            inner = eqn.params["jaxpr"]
-            outs = _inline(inner.jaxpr, [*inner.consts, *invals])
+        body = call_body(eqn) if eqn.primitive.name in TRANSPARENT_CALLS else None
+        if body is not None:
+            inner, consts = body
+            outs = _inline(inner, [*consts, *invals])
         elif eqn.primitive.name in _SHARDING_PRIMITIVES:
             # Placement on the outer mesh (e.g. a constant built under jax.set_mesh);
             # inside the shard every value is local.

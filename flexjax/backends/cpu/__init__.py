@@ -7,7 +7,8 @@ its full tiles, online softmax in float32) as fused C++ loops with AVX-512 vecto
 both cores splitting the (batch, head, q block) rows through XLA's own thread pool.
 
 - ``kernel.cc`` is compiled once per machine with the system's C++ compiler (``$CXX``
-  or ``g++``) and cached under ``$FLEXJAX_CACHE_DIR`` (default ``~/.cache/flexjax``);
+  or ``g++``) and cached under ``$FLEXJAX_CACHE_DIR`` (default ``~/.cache/flexjax``; a
+  cached library that does not load, cut short or not a library, is built again);
 - each mod (and a score_mod's VJP in the score) becomes a tile function in C++
   (``_codegen.py``), compiled into a small library of its own and cached the same way;
   the kernels call it through a pointer.
@@ -37,6 +38,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -57,6 +59,7 @@ _BWD_TARGET = "flexjax_cpu_backward"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fwrapv")
 _LOCK = threading.Lock()
 _LIBS: dict = {}  # keeps every loaded library (and so its function addresses) alive
+_FAILED: dict = {}  # why a library did not build or load: not tried again in this process
 
 
 def _cache_dir() -> Path:
@@ -129,8 +132,8 @@ def enabled() -> bool:
 def usable() -> bool:
     """Whether this machine can run the kernel: enabled, an x86-64 CPU with AVX-512 and a C++ compiler.
 
-    Without a compiler (or AVX-512) the xla backend's loops run instead, and a
-    RuntimeWarning says so once.
+    Without a compiler (or AVX-512), or where the kernel's library does not build or load,
+    the xla backend's loops run instead, and a RuntimeWarning says so once.
     """
     if not enabled():
         return False
@@ -143,20 +146,21 @@ def usable() -> bool:
     try:
         _kernel()
     except RuntimeError as e:
-        _warn_once(f"flexjax: building the CPU kernel failed, the xla backend runs its XLA loops instead: {e}")
+        _warn_once(f"flexjax: building or loading the CPU kernel failed, the xla backend runs its XLA loops "
+                   f"instead: {e}")
         return False
     return True
 
 
-def _precompiled_header(cxx: str, header: str, out_dir: Path) -> Path | None:
+def _precompiled_header(cxx: str, header: str, out_dir: Path, *, replace: bool = False) -> Path | None:
     """A directory holding vec.h and its precompiled ``vec.h.gch`` (built once per header,
     compiler and flags), or None where the compiler cannot make one (the mods then parse
-    vec.h themselves, with the same result)."""
+    vec.h themselves, with the same result). ``replace`` builds the cached one again."""
     flags = [f for f in _FLAGS if f != "-shared"]
     key = "\n".join([header, cxx, _compiler_id(cxx), " ".join(flags), _cpu_id()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     final = out_dir / f"pch-{digest}"
-    if (final / "vec.h.gch").exists():
+    if (final / "vec.h.gch").exists() and not replace:
         return final
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir))
@@ -166,6 +170,9 @@ def _precompiled_header(cxx: str, header: str, out_dir: Path) -> Path | None:
                              capture_output=True, text=True)
         if res.returncode != 0:
             return None
+        if replace:
+            os.replace(tmp / "vec.h.gch", final / "vec.h.gch")  # atomic, as the libraries are
+            return final
         try:
             os.rename(tmp, final)  # atomic; another process may have renamed its own first
         except OSError:
@@ -175,39 +182,98 @@ def _precompiled_header(cxx: str, header: str, out_dir: Path) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build(source: str, name: str) -> Path:
-    """Compiles ``source`` into a shared library (cached by a digest of source, compiler and flags)."""
+def _library_path(source: str, name: str) -> Path:
+    """Where ``source``'s library is cached: named by a digest of source, compiler, flags, JAX and CPU."""
     cxx = _compiler()
-    include = jax.ffi.include_dir()
     header = (_HERE / "vec.h").read_text()  # included by the kernel and every generated mod
-    digest = hashlib.sha256("\n".join([source, header, cxx, _compiler_id(cxx), " ".join(_FLAGS), include,
-                                       jax.__version__, _cpu_id()]).encode()).hexdigest()[:24]
-    out_dir = _cache_dir()
-    out = out_dir / f"{name}-{digest}.so"
-    if out.exists():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256("\n".join([source, header, cxx, _compiler_id(cxx), " ".join(_FLAGS),
+                                       jax.ffi.include_dir(), jax.__version__, _cpu_id()]).encode()).hexdigest()[:24]
+    return _cache_dir() / f"{name}-{digest}.so"
+
+
+def _build(source: str, name: str, out: Path):
+    """Compiles ``source`` into the shared library ``out``, replacing any file there atomically."""
+    cxx = _compiler()
+    header = (_HERE / "vec.h").read_text()
+    out.parent.mkdir(parents=True, exist_ok=True)
     # A generated mod is small: most of its compile is parsing vec.h's intrinsics header,
     # which a precompiled header saves (0.08 s a mod instead of 0.3 s, here).
-    pch = _precompiled_header(cxx, header, out_dir) if name == "mod" else None
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+    pch = _precompiled_header(cxx, header, out.parent) if name == "mod" else None
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = Path(tmp) / f"{name}.cc"
         src.write_text(source)
         lib = Path(tmp) / f"{name}.so"
-        first = [f"-I{pch}"] if pch is not None else []
-        cmd = [cxx, *_FLAGS, *first, f"-I{_HERE}", f"-I{include}", str(src), "-o", str(lib)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+
+        def compile_with(pch):
+            first = [f"-I{pch}"] if pch is not None else []
+            cmd = [cxx, *_FLAGS, *first, f"-I{_HERE}", f"-I{jax.ffi.include_dir()}", str(src), "-o", str(lib)]
+            return cmd, subprocess.run(cmd, capture_output=True, text=True)
+
+        cmd, res = compile_with(pch)
+        if res.returncode != 0 and pch is not None:
+            # A cached precompiled header cut short stops the compile ("cannot read vec.h.gch"):
+            # build it again and compile once more.
+            cmd, res = compile_with(_precompiled_header(cxx, header, out.parent, replace=True))
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
         os.replace(lib, out)  # atomic: concurrent builders each write their own temporary
-    return out
 
 
 def _load(path: Path) -> ctypes.CDLL:
-    key = str(path)
-    if key not in _LIBS:
-        _LIBS[key] = ctypes.CDLL(key)
-    return _LIBS[key]
+    """Loads the library ``path``; OSError where it is not a whole 64-bit ELF file or dlopen refuses it.
+
+    A library cut short past its headers passes dlopen's checks, and the process dies of
+    SIGBUS when it reads a page past the file's end: so the file's size is checked against
+    the ends of its segments and section headers first.
+    """
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4:6] != b"\x02\x01":
+            raise OSError(f"{path} is not a 64-bit little-endian ELF file")
+        phoff, shoff = struct.unpack_from("<QQ", head, 32)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 54)
+        ends = [phoff + phnum * phentsize, shoff + shnum * shentsize]
+        f.seek(phoff)
+        table = f.read(phnum * phentsize)
+    for i in range(len(table) // phentsize if phentsize else 0):
+        offset, filesz = struct.unpack_from("<Q16xQ", table, i * phentsize + 8)  # p_offset, p_filesz
+        ends.append(offset + filesz)
+    if size < max(ends):
+        raise OSError(f"{path} is cut short: {size} bytes of the {max(ends)} its headers describe")
+    return ctypes.CDLL(str(path))
+
+
+def _library(source: str, name: str) -> ctypes.CDLL:
+    """``source``'s library, loaded: taken from the cache, or built into it.
+
+    A cached library that does not load (cut short by a full disk or a crash, or not a
+    library at all) is built again in its place. Raises RuntimeError where the library
+    does not build or load; that is remembered, so a later call raises it again at once
+    instead of compiling again.
+    """
+    out = _library_path(source, name)
+    key = str(out)
+    if key in _LIBS:
+        return _LIBS[key]
+    if key in _FAILED:
+        raise RuntimeError(_FAILED[key])
+    try:
+        if not out.exists():
+            _build(source, name, out)
+        try:
+            lib = _load(out)
+        except OSError as e:
+            try:
+                _build(source, name, out)
+                lib = _load(out)
+            except (OSError, RuntimeError) as again:
+                raise RuntimeError(f"{key} does not load ({e}), nor after building it again: {again}") from again
+    except (OSError, RuntimeError) as e:
+        _FAILED[key] = str(e)
+        raise RuntimeError(_FAILED[key]) from e
+    _LIBS[key] = lib
+    return lib
 
 
 def _kernel():
@@ -215,7 +281,7 @@ def _kernel():
     with _LOCK:
         if "kernel" in _LIBS:
             return _LIBS["kernel"]
-        lib = _load(_build((_HERE / "kernel.cc").read_text(), "kernel"))
+        lib = _library((_HERE / "kernel.cc").read_text(), "kernel")
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.FlexjaxCpuForward), platform="cpu")
         jax.ffi.register_ffi_target(_BWD_TARGET, jax.ffi.pycapsule(lib.FlexjaxCpuBackward), platform="cpu")
         _LIBS["kernel"] = lib
@@ -229,7 +295,7 @@ def _mod_address(mod, consts) -> int:
     avals = tuple(jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts)
     gen = _codegen.generate(mod, avals)
     with _LOCK:
-        lib = _load(_build(gen.source, "mod"))
+        lib = _library(gen.source, "mod")
     return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
 
 
@@ -242,8 +308,13 @@ def _packed_address(mod, consts) -> int:
         gen = _codegen.generate(mod, avals, packed=True)
     except NotImplementedError:
         return 0  # the kernel then runs one query head per tile
-    with _LOCK:
-        lib = _load(_build(gen.source, "mod"))
+    try:
+        with _LOCK:
+            lib = _library(gen.source, "mod")
+    except RuntimeError as e:  # called while lowering, past the point of running the loops instead
+        _warn_once(f"flexjax: a mod's packed C++ library did not build or load, the CPU kernel runs one query "
+                   f"head per tile: {e}")
+        return 0
     return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
 
 
@@ -328,7 +399,8 @@ def backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropo
         except NotImplementedError as e:
             return str(e)
         except RuntimeError as e:
-            _warn_once(f"flexjax: a score_mod VJP's C++ did not compile, the xla backend runs its XLA loops: {e}")
+            _warn_once(f"flexjax: a score_mod VJP's C++ library did not build or load, the xla backend runs its "
+                       f"XLA loops: {e}")
             return str(e)
     return why
 
@@ -366,8 +438,9 @@ def _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> st
         _mod_address(spec.mask, mask_consts)
     except NotImplementedError as e:
         return str(e)
-    except RuntimeError as e:  # the generated C++ did not compile: a flexjax bug, said once
-        _warn_once(f"flexjax: a mod's C++ did not compile, the xla backend runs its XLA loops for it: {e}")
+    except RuntimeError as e:  # the generated C++ did not compile (a flexjax bug) or its library not load: said once
+        _warn_once(f"flexjax: a mod's C++ library did not build or load, the xla backend runs its XLA loops for "
+                   f"it: {e}")
         return str(e)
     return None
 
@@ -376,7 +449,7 @@ def _vjp_address(mod, consts) -> int:
     avals = tuple(jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in consts)
     gen = _codegen.generate_vjp(mod, avals)
     with _LOCK:
-        lib = _load(_build(gen.source, "mod"))
+        lib = _library(gen.source, "mod")
     return ctypes.cast(getattr(lib, gen.symbol), ctypes.c_void_p).value
 
 

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._modcompiler import Lit, _Flattener, _open
+from ..._jaxpr import open_jaxpr
+from ..._modcompiler import Lit, _Flattener, inline_call, refusing
 from ..._trace import StaticMod
 
 # Identity on values with one element per position (the mod has scalar semantics).
@@ -424,12 +425,9 @@ def _emit_nodes(em: _Emitter, nodes, env, arrays):
             env[node.outs[0]] = _read(em, node, env, arrays)
             continue
         if name == "custom_jvp_call":
-            sub, consts = _open(node.params["call_jaxpr"])
-            fl = _Flattener(em.mod.name, "xla")
-            sub_ins = [fl.new(v.aval) for v in sub.invars]
-            outs = fl.run(sub, [fl._const(c) for c in consts] + sub_ins, [*sub.constvars, *sub.invars])
+            sub_nodes, sub_ins, outs = inline_call(node, em.mod.name, "xla")
             sub_env = {i: _value(em, x, env) for i, x in zip(sub_ins, node.ins)}
-            _emit_nodes(em, fl.nodes, sub_env, {})
+            _emit_nodes(em, sub_nodes, sub_env, {})
             for o, r in zip(node.outs, outs):
                 env[o] = _value(em, r, sub_env)
             continue
@@ -463,7 +461,12 @@ def generate(mod: StaticMod, const_avals: tuple, packed: bool = False) -> Genera
       NotImplementedError: naming the first primitive, dtype or read without a translation.
     """
     key = (mod, tuple((a.shape, _dtype_name(a)) for a in const_avals), packed)
-    return _cached(key, lambda: _generate(mod, const_avals, packed))
+
+    def make():
+        with refusing("xla (C++ kernel)", mod.name, "generate C++ for"):
+            return _generate(mod, const_avals, packed)
+
+    return _cached(key, make)
 
 
 def _cached(key, make) -> GeneratedMod:
@@ -510,12 +513,16 @@ def generate_vjp(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
         scal = jax.ShapeDtypeStruct
         closed = jax.make_jaxpr(f)(*const_avals, scal((), jnp.float32), *(scal((), jnp.int32),) * 4,
                                    scal((), jnp.float32))
-        jaxpr, consts = _open(closed)
+        jaxpr, consts = open_jaxpr(closed)
         if consts or jaxpr.constvars:
             raise NotImplementedError(f"the cpu kernel cannot take constants inside the VJP of mod {mod.name!r}")
         return _generate(_VjpMod("vjp", mod.name, jaxpr, n, f"vjp:{mod.key}"), const_avals)
 
-    return _cached(key, make)
+    def guarded():
+        with refusing("xla (C++ kernel)", mod.name, "generate the C++ VJP of"):
+            return make()
+
+    return _cached(key, guarded)
 
 
 def _generate(mod, const_avals: tuple, packed: bool = False) -> GeneratedMod:

@@ -22,7 +22,7 @@ from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and
 from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
 from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
 from ..pallas._tile import Mods
-from . import _codegen, _kernels, _launch, _templates
+from . import _codegen, _kernels, _launch, _templates, _versions
 
 NAME = "triton"
 # Fused: the keep mask is hashed tile by tile in the kernels (flexjax._dropout).
@@ -35,7 +35,10 @@ _TARGETS = ("cuda",)
 class KernelOptions:
     """Options of the triton backend (``flex_attention(..., kernel_options={...})``).
 
-    Tiles must be powers of two >= 16 that divide the BlockMask's block or are multiples of it.
+    Tiles are multiples of 16 that divide the BlockMask's block or are multiples of it. The
+    lists are walked at the tile's granularity; a tile that is not a power of two (192, or a
+    BlockMask block of 48) runs as power-of-two kernel tiles, the largest dividing it
+    (``_kernel_tile``), a few sub-steps per tile, as the pallas backend walks sub-tiles.
 
     Attributes:
       target: "cuda": emit GPU kernels (jax_triton) whatever the host; default the host's
@@ -44,7 +47,8 @@ class KernelOptions:
         a CPU host when no target is given.
       compute_capability: the GPU to compile for, as 80 (sm_80) or 90 (sm_90); default
         the device's, 90 when lowering from a CPU host. Also selects the heuristics' table.
-      block_q, block_kv: forward tile.
+      block_q, block_kv: forward tile; default the heuristics' table row, fitted to the
+        BlockMask's block by ``_fit``.
       bwd_block_q, bwd_block_kv: tile of both backward kernels.
       num_warps, num_stages: forward Triton launch parameters.
       bwd_num_warps, bwd_num_stages: backward Triton launch parameters.
@@ -147,7 +151,7 @@ def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: i
     """Default tiles and launch parameters for sm_``compute_capability`` (sm_80 and sm_90 tables).
 
     Capabilities from 90 up take the sm_90 row, 80 to 89 the sm_80 row; head dims above 256
-    the 256 row. A tile that does not divide the BlockMask's block becomes the block.
+    the 256 row. Each table tile is fitted to the BlockMask's block by ``_fit``.
     """
     bq, bkv = block_size
     d = min(max(64, _pad_dim(head_dim)), 256)
@@ -159,8 +163,34 @@ def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: i
                          bwd_num_stages=bs, autotune=False)
 
 
+def _pow2_part(n: int) -> int:
+    """The largest power of two dividing ``n``."""
+    return n & -n
+
+
 def _fit(tile: int, block: int) -> int:
-    return tile if block % tile == 0 else block
+    """The tile (list granularity) that serves a table's power-of-two ``tile`` on a BlockMask of ``block``.
+
+    - ``tile`` divides the block: the tile; each block is walked in ``block // tile`` steps.
+    - the block divides ``tile`` (a smaller power-of-two block): the tile, the lists
+      regrouped, since tiles of 16 or 32 rows leave most of a tensor-core MMA idle.
+    - otherwise (a block that is not a power of two, such as 48 or 80): the block regrouped
+      by the largest power of two that stays within ``tile``, and at least until its
+      power-of-two part reaches 16 (``tl.dot``'s minimum); the kernel walks it in
+      power-of-two sub-tiles (``_kernel_tile``). 48 under a tile of 128 groups to 96 and
+      runs 32-row tiles; 80 under 64 stays 80 and runs 16-row tiles.
+    """
+    if block % tile == 0 or tile % block == 0:
+        return tile
+    group = block
+    while group * 2 <= tile or _pow2_part(group) < 16:
+        group *= 2
+    return group
+
+
+def _kernel_tile(tile: int) -> int:
+    """The power-of-two Triton tile that walks a (multiple of 16) tile: the largest dividing it."""
+    return _pow2_part(tile)
 
 
 def _device_capability() -> int | None:
@@ -185,8 +215,9 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
         interpret = target is None
     cc = opts.get("compute_capability") or _device_capability() or 90
     if interpret:
-        # Interpret mode: the mask's own block, so each interpreted step is one mask tile.
-        bq, bkv = spec.block_size
+        # Interpret mode: the mask's own block (regrouped only where its power-of-two part is
+        # under 16), so each interpreted step is at most one mask tile.
+        bq, bkv = (b if _pow2_part(b) >= 16 else _fit(16, b) for b in spec.block_size)
         default = KernelOptions(block_q=bq, block_kv=bkv, bwd_block_q=bq, bwd_block_kv=bkv, num_warps=4,
                                 num_stages=1, bwd_num_warps=4, bwd_num_stages=1)
     else:
@@ -204,8 +235,9 @@ def _check_options(opts: dict, block_size):
     check_tiles_and_launch(opts, block_size)
     for f in _TILE_FIELDS:
         val = opts.get(f)
-        if val is not None and (val < 16 or val & (val - 1)):
-            raise ValueError(f"kernel_options[{f!r}] must be a power of two >= 16 (a Triton tile), got {val}")
+        if val is not None and val % 16:
+            raise ValueError(f"kernel_options[{f!r}] must be a multiple of 16 (Triton's tl.dot takes tiles of at "
+                             f"least 16), got {val}")
     target = opts.get("target")
     if target is not None and target not in _TARGETS:
         raise ValueError(f"kernel_options['target'] must be one of {_TARGETS} or None, got {target!r}")
@@ -264,6 +296,9 @@ def unsupported_reason(spec, q, k, v):
     missing = _missing_modules(o.interpret)
     if missing:
         return missing
+    wrong = _versions.version_problem(o.interpret)
+    if wrong:
+        return wrong
     if o.interpret and q.dtype == jnp.bfloat16 and not _launch.interpreter_bf16_dot_ok():
         import triton
 
@@ -272,12 +307,6 @@ def unsupported_reason(spec, q, k, v):
                 "kernel_options={'target': 'cuda'}")
     if o.autotune and o.interpret:
         return "kernel_options['autotune'] needs GPU kernels; it does nothing in Triton's interpreter"
-    for f in _TILE_FIELDS:
-        val = getattr(o, f)
-        if val < 16 or val & (val - 1):
-            return (f"Triton tiles must be powers of two >= 16, got {f}={val} (from the BlockMask's block_size "
-                    f"{spec.block_size}); set kernel_options {f!r} or build the BlockMask with a power-of-two "
-                    "block_size >= 16")
     try:
         _plan(spec.score, spec.mask, False)
     except NotImplementedError as e:
@@ -306,6 +335,7 @@ def _run(spec, o: KernelOptions, backward: bool):
 def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
     g, lists = geometry(spec, q, k, lists, tq, tk)
+    g = dataclasses.replace(g, tq=_kernel_tile(tq), tk=_kernel_tile(tk))
     D, Dv = _pad_dim(q.shape[-1]), _pad_dim(v.shape[-1])
     qp = pad_axis(pad_axis(q, 1, g.sq), 3, D)
     kp = pad_axis(pad_axis(k, 1, g.skv), 3, D)

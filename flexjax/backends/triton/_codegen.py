@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._modcompiler import CompiledMod, Lit, _Flattener, _open
+from ..._jaxpr import open_jaxpr
+from ..._modcompiler import CompiledMod, Lit, _Flattener, inline_call, refusing
 
 _TL_DTYPES = {
     "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float64": "tl.float64",
@@ -190,12 +191,9 @@ class _Emitter:
         ins = [self.value(x, env) for x in node.ins]
         if name == "custom_jvp_call":
             # Its body, inlined (the VJP was traced through its own rule already).
-            sub, consts = _open(node.params["call_jaxpr"])
-            fl = _Flattener(self.mod_name, "triton")
-            sub_ins = [fl.new(v.aval) for v in sub.invars]
-            outs = fl.run(sub, [fl._const(c) for c in consts] + sub_ins, [*sub.constvars, *sub.invars])
+            sub_nodes, sub_ins, outs = inline_call(node, self.mod_name, "triton")
             sub_env = dict(zip(sub_ins, ins))
-            for n in fl.nodes:
+            for n in sub_nodes:
                 sub_env.update(zip(n.outs, self.node(n, sub_env)))
             return [self.value(o, sub_env) for o in outs]
         if name == "concatenate":
@@ -409,7 +407,7 @@ def _vjp_nodes(cm: CompiledMod, read_dtypes):
     score_dt = cm.avals[cm.args[0]].dtype
     closed = jax.make_jaxpr(g)(scal(score_dt), i32, i32, i32, i32, [scal(d) for d in row_dt],
                                [scal(d) for d in col_dt], [scal(d) for d in read_dtypes], scal(score_dt))
-    jaxpr, consts = _open(closed)
+    jaxpr, consts = open_jaxpr(closed)
     fl = _Flattener(cm.name, "triton")
     ins = [fl.new(v.aval) for v in jaxpr.invars]
     const_ins = [fl._const(c) for c in consts]
@@ -428,7 +426,8 @@ def generate(cm: CompiledMod, prefix: str) -> GeneratedMod:
     """
     key = (cm.mod, cm.target, prefix)
     if key not in _CACHE:
-        _CACHE[key] = _generate(cm, prefix)
+        with refusing("triton", cm.name, "generate Triton source for"):
+            _CACHE[key] = _generate(cm, prefix)
     return _CACHE[key]
 
 
