@@ -34,9 +34,14 @@ BACKENDS = {
 }
 
 
-# The xla backend runs these catalog entries in test_xla.py and test_cpu_kernel.py.
-@pytest.mark.parametrize("name", ["captured_scalars", "padding_zero_length"])
-@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+# The xla backend runs these catalog entries in test_xla.py and test_cpu_kernel.py; the rest of
+# this grid runs under `make test-all` (the tests below cover every backend by default).
+@pytest.mark.parametrize("backend,name", [
+    ("pallas_gpu", "captured_scalars"),
+    pytest.param("pallas_tpu", "captured_scalars", marks=pytest.mark.slow),
+    pytest.param("pallas_gpu", "padding_zero_length", marks=pytest.mark.slow),
+    pytest.param("pallas_tpu", "padding_zero_length", marks=pytest.mark.slow),
+])
 def test_catalog_scalars(backend, name):
     impl, options = BACKENDS[backend]
     check_case(impl, name, SHAPES["gqa_unequal"], kernel_options=options)
@@ -64,8 +69,14 @@ def _scalars():
                 lim=jnp.int32(5), flag=jnp.bool_(True), bias1=jnp.asarray([1.25], jnp.float32))
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("backend", list(BACKENDS))
+# Each backend once eagerly or under jit by default; both under `make test-all`.
+_MODES = [(b, t) for b in BACKENDS for t in (False, True)]
+_DEFAULT_MODES = [("xla", False), ("xla_loops", True), ("pallas_gpu", True), ("pallas_tpu", False)]
+
+
+@pytest.mark.parametrize("backend,traced", [
+    pytest.param(b, t, id=f"{b}-{'jit' if t else 'eager'}", marks=() if (b, t) in _DEFAULT_MODES else pytest.mark.slow)
+    for b, t in _MODES])
 def test_scalars_forward_and_backward(backend, traced):
     """Out, lse and the gradients to q, k, v and the float scalars, against the reference.
 
@@ -353,3 +364,60 @@ def test_internal_errors_become_refusals(monkeypatch):
             flexjax.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * 1.5, backend="pallas")
     finally:
         _modcompiler.compile_mod.cache_clear()
+
+
+# -- the other paths a mod reaches: sinks, dropout, jvp, decode and paged ----------------------
+
+def _scalar_mods():
+    temp, off, div = jnp.float32(0.8), jnp.int32(63), jnp.int32(3)
+    table = jnp.linspace(-1.0, 1.0, 127, dtype=jnp.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temp + table[q_idx - kv_idx + off]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) // div < jnp.int32(9) + div
+
+    return score_mod, mask_mod
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "xla"])
+def test_scalars_with_sinks_dropout_and_jvp(backend):
+    impl, options = BACKENDS[backend]
+    q, k, v, _ = inputs((1, 64, 64, 2, 2, 16, 16), jnp.float32)
+    score_mod, mask_mod = _scalar_mods()
+    bm = flexjax.create_block_mask(mask_mod, None, None, 64, 64, block_size=32)
+    sinks = jnp.asarray([0.5, -1.0])
+    rng = jax.random.PRNGKey(4)
+
+    def f(q, backend_, kernel_options, **kw):
+        return flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, backend=backend_,
+                                      kernel_options=kernel_options, **kw)
+
+    for kw in ({"sinks": sinks}, {"dropout_rate": 0.25, "dropout_rng": rng}):
+        np.testing.assert_allclose(f(q, impl, options, **kw), f(q, "reference", None, **kw), atol=2e-5, rtol=2e-5)
+    tangent = jnp.ones_like(q) * 0.1
+    got = jax.jvp(lambda q: f(q, impl, options), (q,), (tangent,))
+    want = jax.jvp(lambda q: f(q, "reference", None), (q,), (tangent,))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("pallas_gpu", marks=pytest.mark.slow), "xla"])
+def test_scalars_in_decode_and_paged_calls(backend):
+    """One query row (the decode kernels) over a contiguous and a paged cache."""
+    impl, options = BACKENDS[backend]
+    B, S, page = 2, 64, 16
+    q, k, v, _ = inputs((B, 1, S, 4, 2, 16, 16), jnp.float32)
+    score_mod, _ = _scalar_mods()
+    lengths = jnp.asarray([0, 37], jnp.int32)  # batch 0's cache is empty
+    bm = flexjax.create_block_mask(flexjax.masks.padding(lengths), B, None, 1, S, block_size=(1, page))
+    got = flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, backend=impl, kernel_options=options)
+    want = flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, backend="reference")
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    table = jnp.arange(B * S // page, dtype=jnp.int32)[::-1].reshape(B, S // page)
+    k_pages = jnp.zeros((B * S // page, page, 2, 16)).at[table.reshape(-1)].set(k.reshape(B * S // page, page, 2, 16))
+    v_pages = jnp.zeros((B * S // page, page, 2, 16)).at[table.reshape(-1)].set(v.reshape(B * S // page, page, 2, 16))
+    paged = flexjax.paged.flex_attention(q, k_pages, v_pages, table, lengths, score_mod, backend=impl,
+                                         kernel_options=options)
+    np.testing.assert_allclose(paged, want, atol=2e-5, rtol=2e-5)
