@@ -191,7 +191,9 @@ class CompiledMod:
       args: var ids of the mod's arguments (score first for a score_mod).
       consts: var ids of the captured arrays.
       out: the output atom.
-      side: per node index, "q", "kv" or "k" (kernel).
+      side: per node index, "q" / "kv" / "r" (hoisted: rows, columns, diagonals), "k"
+        (kernel), or "dead": kernel-side but not needed by the kernel's output (the
+        prologue may still evaluate it for a hoisted value).
       rows: var ids of hoisted values the kernel reads as (tq, 1) row blocks.
       cols: var ids of hoisted values read as (1, tk) column blocks.
       arrays: var ids of arrays the kernel gathers from (captured or computed from them).
@@ -536,6 +538,22 @@ def _sides(nodes, deps):
     return side
 
 
+def _kernel_liveness(nodes, side, out) -> list:
+    """``side`` with kernel nodes ("k") that the output does not need marked "dead".
+
+    The kernel reads hoisted values, not what they were computed from: the index
+    arithmetic of a read hoisted as a diagonal, say, is the prologue's alone, so the
+    kernel neither runs it nor loads the values it reads.
+    """
+    live = set() if isinstance(out, Lit) else {out}
+    keep = [False] * len(nodes)
+    for n in range(len(nodes) - 1, -1, -1):
+        if side[n] == "k" and any(o in live for o in nodes[n].outs):
+            keep[n] = True
+            live.update(x for x in nodes[n].ins if not isinstance(x, Lit))
+    return [s if s != "k" or k else "dead" for s, k in zip(side, keep)]
+
+
 def _lowering_rules(target: str):
     if target == "cuda":
         from jax._src.pallas.triton import lowering as triton_lowering
@@ -608,15 +626,12 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
         deps = _diagonal_deps(nodes, consts, arg_tags, args[names.index("q_idx")], args[names.index("kv_idx")])
     else:
         deps = _deps(nodes, consts, arg_tags)
-    side = _sides(nodes, deps)
+    side = _kernel_liveness(nodes, _sides(nodes, deps), out)
 
     # Hoisted values the kernel reads, and arrays it gathers from.
     produced = {o: s for node, s in zip(nodes, side) for o in node.outs}
     rows, cols, diags, arrays = [], [], [], []
     hoisted_by_side = {"q": rows, "kv": cols, "r": diags}
-    kernel_ins = [x for node, s in zip(nodes, side) if s == "k" for x in node.ins]
-    if not isinstance(out, Lit):
-        kernel_ins.append(out)
     for node, s in zip(nodes, side):
         if s != "k":
             continue

@@ -73,12 +73,14 @@ def _scalar_score(p, Sq, Skv):
     return captured_scalars
 
 
-def _scalar_mask(div, lim):
-    """A causal band written with a captured 0-d int divisor and limit: (q - kv) // div < lim."""
-    div, lim = jnp.int32(div), jnp.int32(lim)
+def _scalar_mask(div, lim, rate, width):
+    """A causal band written with captured 0-d arrays: an int divisor and limit, and a float
+    rate and width ((q - kv) // div < lim and rate * (q - kv) < width)."""
+    div, lim, rate, width = jnp.int32(div), jnp.int32(lim), jnp.float32(rate), jnp.float32(width)
 
     def banded_by_scalars(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((q_idx - kv_idx) // div < lim)
+        near = rate * (q_idx - kv_idx).astype(jnp.float32) < width
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) // div < lim) & near
 
     return banded_by_scalars
 
@@ -103,7 +105,7 @@ CATALOG = [
     Case("per_head_mask+relative_bias", mask=lambda B, H, Sq, Skv: _head_dependent,
          score=lambda p, H, Sq, Skv: mods.relative_bias(p["table"]), params=_rel_table, per_head_mask=True),
     # Captured 0-d arrays in the score, in an index and in the mask_mod (issue 28).
-    Case("captured_scalars", mask=lambda B, H, Sq, Skv: _scalar_mask(4, 12),
+    Case("captured_scalars", mask=lambda B, H, Sq, Skv: _scalar_mask(4, 12, 0.5, 20.0),
          score=lambda p, H, Sq, Skv: _scalar_score(p, Sq, Skv), params=_scalar_params),
     # Batch 0 has no valid key: with B == 1 the mask reads one captured 0-d length.
     Case("padding_zero_length", mask=lambda B, H, Sq, Skv: masks.padding(jnp.asarray([0, Skv // 3][:B], jnp.int32))),

@@ -21,9 +21,9 @@ TRITON_CALL = "triton_kernel_call"
 NAMES = ("full", "causal+soft_cap", "sliding_window+alibi", "prefix_lm+relative_bias", "document+t5")
 
 
-def _lower(name, grad: bool, dtype=jnp.bfloat16, shape=SHAPE, **options):
+def _lower(name, grad: bool, dtype=jnp.bfloat16, shape=SHAPE, block_size=128, **options):
     B, Sq, Skv, Hq, Hkv, D, Dv = shape
-    _, params, attention = build(BY_NAME[name], shape, block_size=128)
+    _, params, attention = build(BY_NAME[name], shape, block_size=block_size)
     options = {"target": "cuda", **options}
 
     def fwd(q, k, v, params):
@@ -50,6 +50,14 @@ def test_cuda_lowering_sm80_ragged(dtype):
     """sm_80 tables, float32 (exact dots) and float16, and lengths / head dims that need padding."""
     text = _lower("prefix_lm+relative_bias", True, dtype, (1, 200, 130, 4, 1, 40, 24), compute_capability=80)
     assert text.count(TRITON_CALL) == 3
+
+
+@pytest.mark.parametrize("block_size,options", [((48, 80), {}), (64, {"block_q": 192, "bwd_block_kv": 192})],
+                         ids=["block_48x80", "tile_192"])
+def test_cuda_lowering_any_multiple_of_16(block_size, options):
+    """Blocks and tiles that are not powers of two, with captured scalars in both mods: the
+    kernels compile with power-of-two sub-tiles (issue 28)."""
+    assert _lower("captured_scalars", True, block_size=block_size, **options).count(TRITON_CALL) == 3
 
 
 def test_cuda_lowering_autotune():
