@@ -327,6 +327,24 @@ def _results(out, lse, max_scores, sinks, return_lse, return_aux):
     return (out, lse) if return_lse else out
 
 
+def _unsupported_reason(candidate, name, spec, query, key, value):
+    """The backend's answer to "can you serve this": None or a reason, never a crash.
+
+    ValueError and TypeError (an invalid kernel_options value) are the caller's to fix and
+    propagate; any other exception is a flexjax bug, reported as the reason, so that
+    ``backend=None`` moves on to the next backend (with its warning) instead of crashing.
+    """
+    try:
+        return candidate.unsupported_reason(spec, query, key, value)
+    except (ValueError, TypeError):
+        raise
+    except NotImplementedError as e:
+        return str(e)
+    except Exception as e:
+        return (f"the {name} backend failed while checking the call ({type(e).__name__}: {e}); this is a flexjax "
+                "bug, please report it")
+
+
 def _choose_backend(backend, spec, query, key, value):
     """The named backend, or the first of the platform's list that can serve ``spec``.
 
@@ -337,7 +355,7 @@ def _choose_backend(backend, spec, query, key, value):
     skipped = []
     for name in names:
         candidate = get_backend(name)
-        reason = candidate.unsupported_reason(spec, query, key, value)
+        reason = _unsupported_reason(candidate, name, spec, query, key, value)
         if reason is None and spec.dropout_rate > 0 and not getattr(candidate, "SUPPORTS_DROPOUT", False):
             reason = f"the {name} backend has no fused dropout yet; pass backend='xla' for dropout_rate > 0"
         if reason is None:

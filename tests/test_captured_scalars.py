@@ -421,3 +421,26 @@ def test_scalars_in_decode_and_paged_calls(backend):
     paged = flexjax.paged.flex_attention(q, k_pages, v_pages, table, lengths, score_mod, backend=impl,
                                          kernel_options=options)
     np.testing.assert_allclose(paged, want, atol=2e-5, rtol=2e-5)
+
+
+def test_any_crash_in_the_serve_question_is_a_refusal(monkeypatch):
+    """Whatever a backend's unsupported_reason raises (but ValueError / TypeError, the caller's
+    kernel_options) is its reason: backend=None warns and moves on, a named backend re-raises."""
+    import warnings
+
+    from flexjax import _api
+    from flexjax.backends import pallas
+
+    def crash(spec, q, k, v):
+        raise RuntimeError("kaput")
+
+    monkeypatch.setattr(pallas, "unsupported_reason", crash)
+    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: ("pallas", "xla"))
+    q, k, v, _ = inputs((1, 32, 32, 1, 1, 16, 16), jnp.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = flexjax.flex_attention(q, k, v)
+    assert any("RuntimeError: kaput" in str(w.message) and "using 'xla'" in str(w.message) for w in seen)
+    np.testing.assert_allclose(out, flexjax.flex_attention(q, k, v, backend="reference"), atol=2e-5)
+    with pytest.raises(NotImplementedError, match="backend 'pallas' cannot serve.*RuntimeError: kaput"):
+        flexjax.flex_attention(q, k, v, backend="pallas")
