@@ -295,7 +295,7 @@ def run_standalone(args, run_spec: Callable[[str], list], machine_info: Callable
     if args.out:
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    from benchmarks.run import render_markdown
+    from benchmarks.report import render_markdown
 
     print(render_markdown(records, command=" ".join([os.path.basename(sys.executable), *sys.argv])))
     return 0

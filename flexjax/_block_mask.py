@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factory import named
+from ._factory import entry, int_array, named
 from ._trace import StaticMod, mod_name, trace_mod
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -306,6 +306,11 @@ class BlockMask:
         full = _states_from_lists(self.full_kv_num_blocks, self.full_kv_indices, FULL, nkv)
         return jnp.maximum(partial, full)
 
+    def tile_states(self, b: int = 0, h: int = 0) -> np.ndarray:
+        """int8 (nQ, nKV) states of batch ``b``, head ``h`` in NumPy (concrete lists only), for pictures:
+        ``block_states()[b, h]`` without the (B, H) array."""
+        return block_states_of(self, b, h)
+
     def to_dense(self) -> jax.Array:
         """int32 (B, H, nQ, nKV): 1 where a tile is computed (partial or full), as torch's."""
         return (self.block_states() != EMPTY).astype(jnp.int32)
@@ -401,8 +406,6 @@ class BlockMask:
         out = BlockMask.tree_unflatten(aux, [take(c) for c in children[:8]] + [children[8]])
         if isinstance(rows, slice) and rows == slice(None):
             return out
-        from .paged import select_rows
-
         bq, nq = self.block_size[0], self.num_blocks[0]
         if isinstance(rows, slice):
             start, stop, step = rows.indices(nq)
@@ -470,6 +473,105 @@ def _kv_band(bm: BlockMask) -> int | None:
     (f0, l0), (f1, l1) = ends(kv_n, kv_i), ends(fkv_n, fkv_i)
     width = np.maximum(l0, l1) - np.minimum(f0, f1) + 1
     return int(max(width.max(), 1)) * bm.block_size[1]
+
+
+# -- rows at other positions (decode steps, q-block slices) ---------------------------------
+
+def _shifted(mask, consts, shift, q_len_orig: int) -> Callable:
+    """``mask`` with ``q_idx`` moved by ``shift`` (a scalar or (B,) array), clamped into range."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask(consts, b, h, jnp.minimum(q_idx + entry(shift, b), q_len_orig - 1), kv_idx)
+
+    mask_mod.__name__ = f"{mask.name}@q+offset"
+    return mask_mod
+
+
+def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
+    """A BlockMask of ``q_len`` queries whose q block ``i`` is the union of ``bm``'s q-block
+    rows ``lo[..., i]`` and ``hi[..., i]``, with the mask_mod's ``q_idx`` shifted by ``shift``.
+
+    ``lo``/``hi``: int32 (Bt, n) rows (Bt 1 or the batch); ``shift``: a scalar or (B,)
+    int32 array (may be traced). A tile is full where full in both rows, partial where
+    non-empty in either (the shifted mask_mod decides per pair: exact). ``hi is lo`` (one
+    query per sequence): the rows' own kv lists, gathered (no union to sort).
+    """
+    nq, nkv = bm.num_blocks
+    one_row = hi is lo
+    lo = jnp.clip(lo, 0, nq - 1)
+    hi = lo if one_row else jnp.clip(hi, 0, nq - 1)
+    kv_n, kv_i, fkv_n, fkv_i = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+    Bt = max(kv_n.shape[0], lo.shape[0])
+    Hm = kv_n.shape[1]
+
+    def gathered(n, idx, r):  # rows r of one list pair: counts (Bt, Hm, n), indices (Bt, Hm, n, W)
+        n = jnp.broadcast_to(n, (Bt,) + n.shape[1:])
+        idx = jnp.broadcast_to(idx, (Bt,) + idx.shape[1:])
+        r = jnp.broadcast_to(r[:, None, :], (Bt, Hm, r.shape[-1]))
+        return jnp.take_along_axis(n, r, axis=2), jnp.take_along_axis(idx, r[..., None], axis=2)
+
+    def row(n, idx, r, value):
+        return _states_from_lists(*gathered(n, idx, r), value, nkv)
+
+    def states(r):
+        return jnp.maximum(row(kv_n, kv_i, r, PARTIAL), row(fkv_n, fkv_i, r, FULL))
+
+    a = states(lo)
+    if one_row:
+        # (The transposed lists still come from the states: only a backward reads them.)
+        lists = (*gathered(kv_n, kv_i, lo), *gathered(fkv_n, fkv_i, lo), *lists_from_states(a)[4:])
+    else:
+        b = states(hi)
+        united = jnp.where((a == FULL) & (b == FULL), FULL,
+                           jnp.where((a != EMPTY) | (b != EMPTY), PARTIAL, EMPTY)).astype(jnp.int8)
+        lists = lists_from_states(united)
+    mask, consts = bm.mask, ()
+    if bm.mask is not None:
+        traced = trace_mod(_shifted(bm.mask, bm.mask_consts, shift, bm.seq_lengths[0]), "mask",
+                           arg_name="mask_mod")
+        mask, consts = traced.static(), traced.consts
+    out = BlockMask(*lists, consts, seq_lengths=(q_len, bm.seq_lengths[1]), block_size=bm.block_size,
+                    mask=mask)
+    return _with_kv_band(out)
+
+
+def decode_block_mask(block_mask: BlockMask, positions, q_len: int = 1) -> BlockMask:
+    """The BlockMask of ``q_len`` queries at ``positions``, taken from one built for the cache.
+
+    The cache idiom: build ``create_block_mask(mask_mod, B, H, L_max, L_max)`` once, and in
+    the jitted step call ``decode_block_mask(bm, positions, q_len)``. Query ``i`` of batch
+    ``b`` sits at position ``positions[b] + i``; the result's mask_mod is the original with
+    ``q_idx`` shifted by ``positions[b]`` (PyTorch's decode idiom shifts it by hand), and its
+    tile rows are the original rows those positions fall in. With a causal mask, tiles past
+    the position are absent, so the step reads only the keys up to it.
+
+    Args:
+      block_mask: built for ``(Q_LEN, KV_LEN) = (L_max, L_max)`` (any KV_LEN).
+      positions: an int, an integer scalar or a ``(B,)`` integer array (may be traced).
+      q_len: the number of queries per sequence in the step (static).
+
+    Returns:
+      A BlockMask of shape ``(B or 1, H, q_len, KV_LEN)`` for ``flex_attention``.
+
+    Raises:
+      TypeError / ValueError: a wrong type or shape of ``positions`` or ``q_len``.
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
+    if isinstance(q_len, bool) or not isinstance(q_len, (int, np.integer)) or q_len < 1:
+        raise ValueError(f"q_len must be a positive int (queries per sequence), got {q_len!r}")
+    if q_len > block_mask.seq_lengths[0]:
+        raise ValueError(f"q_len={q_len} exceeds the block mask's Q_LEN={block_mask.seq_lengths[0]}")
+    pos = int_array("positions", positions, "() or (B,)")
+    if pos.ndim > 1:
+        raise ValueError(f"positions must be a scalar or of shape (B,), got shape {pos.shape}")
+    bq = block_mask.block_size[0]
+    n = -(-q_len // bq)
+    first = jnp.arange(n, dtype=jnp.int32) * bq
+    last = jnp.minimum(first + bq, q_len) - 1
+    p = pos.reshape(-1, 1)
+    lo = (p + first) // bq
+    return select_rows(block_mask, lo, lo if q_len == 1 else (p + last) // bq, pos, int(q_len))
 
 
 def _tile_states_for_q_block(mask: StaticMod, consts, qb, *, B, H, q_len, kv_len, bq, bkv, nkv):

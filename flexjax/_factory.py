@@ -104,3 +104,11 @@ def entry(x, i):
     if jnp.ndim(x) == 0:
         return x
     return x[jnp.clip(i, 0, x.shape[0] - 1)]
+
+
+def int_array(name: str, x, shapes: str) -> jax.Array:
+    """``x`` as an int32 array; TypeError naming ``name`` and the ``shapes`` it may have otherwise."""
+    arr = jnp.asarray(x)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an int or an integer array of shape {shapes}, got dtype {arr.dtype}")
+    return arr.astype(jnp.int32)

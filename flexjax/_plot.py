@@ -78,12 +78,10 @@ def plot_block_mask(block_mask, b: int = 0, h: int = 0, ax=None, *, element: boo
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
-    from ._block_mask import block_states_of
-
     B, H = block_mask.kv_num_blocks.shape[:2]
     nq, nkv = block_mask.num_blocks
     bi, hi = _pick(B, b, "b"), _pick(H, h, "h")
-    tiles = block_states_of(block_mask, bi, hi)
+    tiles = block_mask.tile_states(bi, hi)
     q_len, kv_len = block_mask.seq_lengths
     bq, bkv = block_mask.block_size
     if element is None:
