@@ -356,8 +356,6 @@ def _choose_backend(backend, spec, query, key, value):
     for name in names:
         candidate = get_backend(name)
         reason = _unsupported_reason(candidate, name, spec, query, key, value)
-        if reason is None and spec.dropout_rate > 0 and not getattr(candidate, "SUPPORTS_DROPOUT", False):
-            reason = f"the {name} backend has no fused dropout yet; pass backend='xla' for dropout_rate > 0"
         if reason is None:
             for skipped_name, skipped_reason in skipped:
                 warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "

@@ -167,7 +167,7 @@ def test_rate_zero_is_the_plain_kernel():
     seeded = run(pallas, make(0.0), q, k, v, do, dlse, sc, mc, lists, seed)
     for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(seeded)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    jaxpr = str(jax.make_jaxpr(lambda q: pallas.forward(make(0.0), q, k, v, sc, mc, lists, seed))(q))
+    jaxpr = str(jax.make_jaxpr(lambda q: pallas.forward_with_residuals(make(0.0), q, k, v, sc, mc, lists, seed))(q))
     assert "u32" not in jaxpr
 
 

@@ -7,9 +7,9 @@ import importlib
 
 import jax
 
-# name -> module path; each module defines NAME, unsupported_reason, forward,
-# forward_with_residuals (out, lse and what its backward needs), backward, and a
-# KernelOptions dataclass when it takes kernel_options.
+# name -> module path; each module defines NAME, unsupported_reason, forward_with_residuals
+# (out, lse and what its backward needs), row_stats (each row's max and log-sum from those),
+# backward, and a KernelOptions dataclass when it takes kernel_options (docs/architecture.md).
 _BACKENDS = {
     "reference": "flexjax.backends.reference",
     "xla": "flexjax.backends.xla",

@@ -9,7 +9,6 @@ from .. import _dropout
 from ._common import acc_dtype, allowed, apply_score_mod
 
 NAME = "reference"
-SUPPORTS_DROPOUT = True
 
 
 def unsupported_reason(spec, q, k, v):
@@ -47,10 +46,6 @@ def _dense(spec, q, k, v, score_consts, mask_consts, seed=None):
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
     row_max = jnp.where(l > 0, m, -jnp.inf)[..., 0]
     return out.astype(q.dtype), lse, row_max
-
-
-def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    return _dense(spec, q, k, v, score_consts, mask_consts, dropout_seed)[:2]
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):

@@ -19,7 +19,6 @@ from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lis
 from ._common import row_stats as stats_of_rows
 
 NAME = "xla"
-SUPPORTS_DROPOUT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,11 +464,6 @@ def _prepare(spec, q, k, lists, backward: bool):
     b_ids = jnp.arange(B, dtype=jnp.int32)
     h_ids = jnp.arange(Hq, dtype=jnp.int32).reshape(Hkv, G)
     return g, band, coarse, batch_shared, head_shared, b_ids, h_ids
-
-
-def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
-    return out, lse
 
 
 def row_stats(lse, residuals):

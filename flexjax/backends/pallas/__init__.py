@@ -22,8 +22,6 @@ from ._layout import geometry, pad_axis, prologues, score_const_grads
 from ._tile import Mods
 
 NAME = "pallas"
-# Fused: the keep mask is hashed tile by tile in the kernels (flexjax._dropout).
-SUPPORTS_DROPOUT = True
 
 _TARGETS = ("cuda", "tpu")
 
@@ -221,11 +219,6 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
 
 def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
-
-
-def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
-    return out, lse
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):

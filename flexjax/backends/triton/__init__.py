@@ -25,8 +25,6 @@ from ..pallas._tile import Mods
 from . import _codegen, _kernels, _launch, _templates, _versions
 
 NAME = "triton"
-# Fused: the keep mask is hashed tile by tile in the kernels (flexjax._dropout).
-SUPPORTS_DROPOUT = True
 
 _TARGETS = ("cuda",)
 
@@ -343,12 +341,6 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     kp = pad_axis(pad_axis(k, 1, g.skv), 3, D)
     vp = pad_axis(pad_axis(v, 1, g.skv), 3, Dv)
     return g, lists, qp, kp, vp
-
-
-def forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out (B, Sq, Hq, Dv) in the query's dtype and lse (B, Hq, Sq) float32."""
-    out, lse, _ = forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
-    return out, lse
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
