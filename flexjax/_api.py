@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dropout
+from ._autodiff import attention_jvp
 from ._block_mask import BlockMask, check_broadcast, full_block_mask
-from ._linear import linear_apply
 from ._trace import StaticMod, trace_mod
 from .backends import available_backends, get_backend, kernel_option_names, platform_backends
-from .backends import xla as xla_backend
 from .backends._common import acc_dtype
 
 
@@ -368,10 +367,8 @@ def _choose_backend(backend, spec, query, key, value):
 
 
 # -- autodiff ------------------------------------------------------------------------------
-# One custom_jvp serves both modes. Its tangent goes through ``linear_apply``: a linear map
-# whose transpose is the backend's hand-written backward. ``jax.jvp`` evaluates the map (a
-# blockwise tangent pass, the xla backend's ``tangent``); ``jax.grad`` linearizes and
-# transposes it, so only the backward runs, on the residuals the forward saved.
+# One custom_jvp serves both modes (``_autodiff.attention_jvp``): jax.grad runs the backend's
+# hand-written backward on the residuals the forward saved, jax.jvp the xla backend's tangent pass.
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists, seed):
@@ -382,62 +379,13 @@ def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists, se
     return out, lse, row_max
 
 
-def _linear_tangents(t_qkv, t_consts, score_consts):
-    """Which tangents are live (not symbolic zeros; captured arrays only if float), those
-    tangents in order (the linear map's arguments), and ``split``, which maps them back to
-    (tq, tk, tv, per-constant tuple) with None for the dead ones. Only perturbed inputs are
-    linear arguments: the backward then skips the gradients nobody asked for (for a bias
-    table, a scatter per tile)."""
-    live = lambda t: not isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
-    has_qkv = tuple(live(t) for t in t_qkv)
-    has_c = tuple(live(t) and bool(jnp.issubdtype(c.dtype, jnp.inexact)) for t, c in zip(t_consts, score_consts))
-    lin = tuple(t for t, h in zip(t_qkv, has_qkv) if h) + tuple(t for t, h in zip(t_consts, has_c) if h)
-
-    def split(lin_args):
-        it = iter(lin_args)
-        tq, tk, tv = (next(it) if h else None for h in has_qkv)
-        return tq, tk, tv, tuple(next(it) if h else None for h in has_c)
-
-    return has_qkv, has_c, lin, split
-
-
 def _attention_jvp(backend_name, spec, primals, tangents):
-    q, k, v, score_consts, mask_consts, lists, seed = primals
-    t_q, t_k, t_v, t_consts = tangents[:4]
     impl = get_backend(backend_name)
-    out, lse, residuals = impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists,
-                                                      dropout_seed=seed)
-    row_max, log_sum = impl.row_stats(lse, residuals)
-    has_qkv, has_c, lin, split = _linear_tangents((t_q, t_k, t_v), t_consts, score_consts)
-    zeros = (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype), jnp.zeros_like(row_max))
-    if not lin:
-        return (out, lse, row_max), zeros
-    res = (q, k, v, out, lse, row_max, log_sum, score_consts, mask_consts, lists, seed, residuals)
-    res_flat, res_tree = jax.tree.flatten(res)
 
-    def unflatten(flat):
-        return jax.tree.unflatten(res_tree, flat)
+    def forward(q, k, v, score_consts, mask_consts, lists, seed):
+        return impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=seed)
 
-    def tangent_map(*args):
-        r = unflatten(args[:len(res_flat)])
-        q_, k_, v_, out_, lse_, rmax, lsum, sc, mc, ls, sd, _ = r
-        tq, tk, tv, tc = split(args[len(res_flat):])
-        t_out, t_lse = xla_backend.tangent(spec, q_, k_, v_, out_, rmax, lsum, sc, mc, ls, tq, tk, tv, tc,
-                                           dropout_seed=sd)
-        return t_out.astype(out_.dtype), t_lse.astype(lse_.dtype)
-
-    def transpose_map(*args):
-        r = unflatten(args[:len(res_flat)])
-        q_, k_, v_, out_, lse_, _, _, sc, mc, ls, sd, resid = r
-        dout, dlse = args[len(res_flat):]
-        dq, dk, dv, dscore = impl.backward(spec, q_, k_, v_, out_, lse_, dout, dlse, sc, mc, ls, has_c, resid,
-                                           dropout_seed=sd)
-        cts = tuple(g.astype(x.dtype) for g, x, h in zip((dq, dk, dv), (q_, k_, v_), has_qkv) if h)
-        return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)
-
-    out_avals = (jax.core.ShapedArray(out.shape, out.dtype), jax.core.ShapedArray(lse.shape, lse.dtype))
-    t_out, t_lse = linear_apply(tangent_map, transpose_map, tuple(res_flat), lin, out_avals)
-    return (out, lse, row_max), (t_out, t_lse, zeros[2])
+    return attention_jvp(impl, spec, primals, tangents, forward, seed_of=lambda seed: seed)
 
 
 _attention.defjvp(_attention_jvp, symbolic_zeros=True)

@@ -438,49 +438,17 @@ def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, pa
 
 
 def _paged_jvp(name, spec, primals, tangents):
-    from ._api import _linear_tangents
-    from ._linear import linear_apply
+    from ._autodiff import attention_jvp
     from .backends import get_backend
-    from .backends import xla as xla_backend
 
-    q, k_pages, v_pages, score_consts, mask_consts, lists, page_table = primals
-    t_q, t_kp, t_vp, t_consts = tangents[:4]
-    impl = get_backend(name)
-    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
-                                         page_table)
-    row_max, log_sum = impl.row_stats(lse, residuals)
-    has_qkv, has_c, lin, split = _linear_tangents((t_q, t_kp, t_vp), t_consts, score_consts)
-    zeros = (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype), jnp.zeros_like(row_max))
-    if not lin:
-        return (out, lse, row_max), zeros
-    res = (q, k_pages, v_pages, out, lse, row_max, log_sum, score_consts, mask_consts, lists, page_table, residuals)
-    res_flat, res_tree = jax.tree.flatten(res)
-    ps = k_pages.shape[1]
+    def forward(q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
+        return _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
 
-    def tangent_map(*args):
-        q_, kp, vp, out_, _, rmax, lsum, sc, mc, ls, pt, _ = jax.tree.unflatten(res_tree, args[:len(res_flat)])
-        tq, tk, tv, tc = split(args[len(res_flat):])
-        tk, tv = (None if t is None else gather(t, pt) for t in (tk, tv))
-        t_out, t_lse = xla_backend.tangent(spec, q_, gather(kp, pt), gather(vp, pt), out_, rmax, lsum, sc, mc, ls,
-                                           tq, tk, tv, tc)
-        return t_out.astype(out_.dtype), t_lse.astype(lse.dtype)
+    def scatter(d, pages, page_table):
+        d = d.reshape(d.shape[0], -1, pages.shape[1], *d.shape[2:])
+        return jnp.zeros(pages.shape, d.dtype).at[page_table].add(d)
 
-    def transpose_map(*args):
-        q_, kp, vp, out_, lse_, _, _, sc, mc, ls, pt, resid = jax.tree.unflatten(res_tree, args[:len(res_flat)])
-        dout, dlse = args[len(res_flat):]
-        dq, dk, dv, dscore = impl.backward(spec, q_, gather(kp, pt), gather(vp, pt), out_, lse_, dout, dlse, sc, mc,
-                                           ls, has_c, resid)
-
-        def scatter(pages, d):
-            d = d.reshape(d.shape[0], -1, ps, *d.shape[2:])
-            return jnp.zeros(pages.shape, d.dtype).at[pt].add(d).astype(pages.dtype)
-
-        cts = tuple(c for c, h in zip((dq.astype(q_.dtype), scatter(kp, dk), scatter(vp, dv)), has_qkv) if h)
-        return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)
-
-    out_avals = (jax.core.ShapedArray(out.shape, out.dtype), jax.core.ShapedArray(lse.shape, lse.dtype))
-    t_out, t_lse = linear_apply(tangent_map, transpose_map, tuple(res_flat), lin, out_avals)
-    return (out, lse, row_max), (t_out, t_lse, zeros[2])
+    return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=gather, from_logical=scatter)
 
 
 _paged.defjvp(_paged_jvp, symbolic_zeros=True)
