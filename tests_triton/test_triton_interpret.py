@@ -232,3 +232,28 @@ def test_any_multiple_of_16(block_size, options):
     got = loss_and_grads(attention, q, k, v, do, {"table": table}, backend="triton", kernel_options=options)
     ref = loss_and_grads(attention, q, k, v, do, {"table": table}, backend="reference")
     assert_close(f"blocks{block_size}", got, ref, ref, jnp.float32)
+
+
+def test_grids_stay_within_cuda_limits(monkeypatch):
+    """B * H above 65535 (a batch of 4096 with 32 heads): every grid dimension but the first
+    stays within CUDA's 65535 (issue 29's 3-D grid)."""
+    from flexjax.backends.triton import _kernels
+
+    grids = []
+
+    def fake_call(source, name, params, args, out_shapes, grid, consts, run, **kw):
+        grids.append(tuple(grid))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+
+    monkeypatch.setattr(_kernels, "_call", fake_call)
+    B, S, H = 4096, 16, 32
+    q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.float16)
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, S, S, block_size=16)
+
+    def loss(q, k, v):
+        return flexjax.flex_attention(q, k, v, block_mask=bm, backend="triton",
+                                      kernel_options={"target": "cuda"}).astype(jnp.float32).sum()
+
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+    assert {g[1:] for g in grids} == {(H, B)}, grids  # the forward, dQ (heads H) and dK/dV (kv heads H)
+    assert all(max(g[1:]) <= 65535 < g[1] * g[2] for g in grids), grids

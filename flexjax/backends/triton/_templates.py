@@ -272,9 +272,8 @@ def _fwd(plan: Plan) -> str:
     lines.lines += _signature(FWD, fwd_params(plan))
     lines(1,
           "i = tl.program_id(0)",
-          "bh = tl.program_id(1)",
-          "b = bh // HQ",
-          "h = bh % HQ",
+          "h = tl.program_id(1)",
+          "b = tl.program_id(2)",
           "kvh = h // G",
           "q_start = i * TQ")
     _common_head(lines)
@@ -357,9 +356,8 @@ def _dq(plan: Plan) -> str:
     lines.lines += _signature(DQ, dq_params(plan))
     lines(1,
           "i = tl.program_id(0)",
-          "bh = tl.program_id(1)",
-          "b = bh // HQ",
-          "h = bh % HQ",
+          "h = tl.program_id(1)",
+          "b = tl.program_id(2)",
           "kvh = h // G",
           "q_start = i * TQ")
     _common_head(lines)
@@ -374,7 +372,7 @@ def _dq(plan: Plan) -> str:
     if plan.grads:
         lines(1, *[f"dr{k} = tl.full([TQ], 0.0, tl.float32)" for k in plan.float_rows])
         # This program's own slab of each array gradient (summed over programs outside).
-        lines(1, *[f"da{k} = DA{k} + (i * NBH + bh).to(tl.int64) * NPAD{k}" for k in plan.grad_arrays])
+        lines(1, *[f"da{k} = DA{k} + (i * NBH + b * HQ + h).to(tl.int64) * NPAD{k}" for k in plan.grad_arrays])
 
     def body(masked):
         def emit(ind):
@@ -419,9 +417,8 @@ def _dkv(plan: Plan) -> str:
     lines.lines += _signature(DKV, dkv_params(plan))
     lines(1,
           "j = tl.program_id(0)",
-          "bkv = tl.program_id(1)",
-          "b = bkv // HKV",
-          "kvh = bkv % HKV",
+          "kvh = tl.program_id(1)",
+          "b = tl.program_id(2)",
           "kv_start = j * TK")
     _common_head(lines)
     _kv_tile(lines, 1)
