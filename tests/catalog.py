@@ -74,13 +74,14 @@ def _scalar_score(p, Sq, Skv):
 
 
 def _scalar_mask(div, lim, rate, width):
-    """A causal band written with captured 0-d arrays: an int divisor and limit, and a float
-    rate and width ((q - kv) // div < lim and rate * (q - kv) < width)."""
+    """A causal band written with captured 0-d arrays: ints (q - kv < lim * div) and floats
+    (rate * (q - kv) < width). (An in-kernel floor division by a captured divisor, tested in
+    test_captured_scalars.py, spills the pallas GPU forward at its 128x64 16-bit tiles.)"""
     div, lim, rate, width = jnp.int32(div), jnp.int32(lim), jnp.float32(rate), jnp.float32(width)
 
     def banded_by_scalars(b, h, q_idx, kv_idx):
         near = rate * (q_idx - kv_idx).astype(jnp.float32) < width
-        return (kv_idx <= q_idx) & ((q_idx - kv_idx) // div < lim) & near
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < lim * div) & near
 
     return banded_by_scalars
 
