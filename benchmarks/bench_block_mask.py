@@ -16,6 +16,8 @@ Specs (block 128, B = H = None unless said):
     (``analyse=False``, the builder before the analysis).
   window4096-fwd-1m: flex_attention forward, sliding window 4096, S = 1,048,576, B = H = 1,
     D = 64, float32, xla backend: wall time of one call (compile included) and peak RSS.
+  causal-8k, checkpointed-8k: causal, plain and wrapped in jax.checkpoint (a remat2 call
+    the analysis enters), S = 8192: first call and the median of 5 warm calls.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import sys
 import time
 
 SPECS = ["causal-64k", "docs64-64k", "docs64-64k-jit", "causal-1m", "window4096-1m", "docs256-1m",
-         "window4096-fwd-1m"]
+         "window4096-fwd-1m", "causal-8k", "checkpointed-8k"]
 
 
 def _mask(kind: str, S: int):
+    import jax
     import jax.numpy as jnp
 
     import flexjax
@@ -40,6 +43,8 @@ def _mask(kind: str, S: int):
 
     if kind == "causal":
         return masks.causal
+    if kind == "checkpointed":
+        return jax.checkpoint(masks.causal)
     if kind == "window4096":
         return masks.sliding_window(4096)
     docs = {"docs64": 64, "docs256": 256}[kind]
@@ -75,7 +80,7 @@ def run_one(name: str) -> dict:
     from flexjax import masks
 
     kind = name.split("-")[0]
-    S = 65536 if "-64k" in name else 1 << 20
+    S = 65536 if "-64k" in name else 8192 if "-8k" in name else 1 << 20
     out = {"side": "flexjax", "spec": name, "S": S}
     if name == "docs64-64k-jit":
         ids = jnp.arange(S, dtype=jnp.int32) // (S // 64)
@@ -106,7 +111,7 @@ def run_one(name: str) -> dict:
         # All eight lists: large ones are written on the device, asynchronously.
         return flexjax.create_block_mask(mm, None, None, S, S).tree_flatten()[0][:8]
 
-    first, warm = _timed(build, 5 if S == 65536 else 1)
+    first, warm = _timed(build, 5 if S <= 65536 else 1)
     bm = jax.block_until_ready(flexjax.create_block_mask(mm, None, None, S, S))
     index_mib = sum(x.nbytes for x in bm.tree_flatten()[0][:8]) / 2**20
     out.update(first_s=round(first, 3), warm_ms=round(1e3 * warm, 2), sparsity=round(bm.sparsity(), 2),
