@@ -91,14 +91,22 @@ def _size1(aval) -> bool:
 
 
 class _Flattener:
-    """Inlines call primitives so the mod becomes one flat list of nodes."""
+    """Inlines call primitives so the mod becomes one flat list of nodes.
 
-    def __init__(self, mod_name: str, backend: str = "pallas"):
+    A call's body may close over arrays of its own (a ``jax.jit``-ed helper that reads a
+    table): one-element ones become literals; with ``bake`` larger ones become vars whose
+    values ``baked`` holds (constants the prologue hands the kernel like captured arrays),
+    else they are refused.
+    """
+
+    def __init__(self, mod_name: str, backend: str = "pallas", bake: bool = False):
         self.backend = backend
         self.nodes: list[Node] = []
         self.avals: dict[int, Any] = {}
         self.count = 0
         self.mod_name = mod_name
+        self.bake = bake
+        self.baked: dict[int, np.ndarray] = {}
 
     def new(self, aval) -> int:
         self.count += 1
@@ -140,10 +148,15 @@ class _Flattener:
 
     def _const(self, c):
         arr = np.asarray(c)
-        if arr.size != 1:
+        if arr.size == 1:
+            return Lit(arr.reshape(()))
+        if not self.bake:
             raise NotImplementedError(
-                f"mod {self.mod_name!r} closes over an array inside a nested jit; pass it from the outer function")
-        return Lit(arr.reshape(()))
+                f"mod {self.mod_name!r} closes over an array inside a nested call (jit, checkpoint, custom_jvp ...), "
+                f"which the {self.backend} backend cannot read here; close over it in the mod itself")
+        var = self.new(jax.core.ShapedArray(arr.shape, arr.dtype))
+        self.baked[var] = arr
+        return var
 
 
 def inline_call(node: Node, mod_name: str, backend: str):
@@ -202,6 +215,8 @@ class CompiledMod:
       diags: var ids of hoisted values that depend on ``kv_idx - q_idx`` (target "tpu"
         only), read as (tq, tk) tiles.
       diag_uses: per diagonal value, whether it depends on (b, h).
+      baked: var id -> value of the arrays a nested call's body closes over; the prologue
+        reads them as it reads the captured arrays (they take no gradient).
     """
 
     mod: StaticMod
@@ -219,6 +234,7 @@ class CompiledMod:
     avals: dict
     diags: tuple = ()
     diag_uses: tuple = ()
+    baked: dict = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -271,7 +287,7 @@ class CompiledMod:
         B' (H') 1 where the value does not depend on b (h), and the arrays the kernel
         gathers from. Indices past the true lengths are clamped, as mods never see them.
         """
-        base = dict(zip(self.consts, consts))
+        base = {**dict(zip(self.consts, consts)), **{v: jnp.asarray(x) for v, x in self.baked.items()}}
         names = ("score", "b", "h", "q_idx", "kv_idx") if self.mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
         arg_of = dict(zip(names, self.args))
 
@@ -313,7 +329,7 @@ class CompiledMod:
         ``[-(q_len - 1), kv_len - 1]`` and evaluated at ``q_idx = max(-d, 0)``, ``kv_idx =
         max(d, 0)``, so the mod sees in-range indices only.
         """
-        base = dict(zip(self.consts, consts))
+        base = {**dict(zip(self.consts, consts)), **{v: jnp.asarray(x) for v, x in self.baked.items()}}
         names = ("score", "b", "h", "q_idx", "kv_idx") if self.mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
         arg_of = dict(zip(names, self.args))
         out = []
@@ -614,7 +630,7 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
 
 def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     jaxpr = mod.jaxpr
-    fl = _Flattener(mod.name, _BACKEND[target])
+    fl = _Flattener(mod.name, _BACKEND[target], bake=True)
     ins = [fl.new(v.aval) for v in jaxpr.invars]
     (out,) = fl.run(jaxpr, ins)
     consts, args = tuple(ins[: mod.num_consts]), tuple(ins[mod.num_consts:])
@@ -623,9 +639,10 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     nodes = tuple(fl.nodes)
     if target == "tpu":
         # Mosaic cannot gather: reads along the diagonal kv_idx - q_idx are hoisted instead.
-        deps = _diagonal_deps(nodes, consts, arg_tags, args[names.index("q_idx")], args[names.index("kv_idx")])
+        deps = _diagonal_deps(nodes, (*consts, *fl.baked), arg_tags, args[names.index("q_idx")],
+                              args[names.index("kv_idx")])
     else:
-        deps = _deps(nodes, consts, arg_tags)
+        deps = _deps(nodes, (*consts, *fl.baked), arg_tags)
     side = _kernel_liveness(nodes, _sides(nodes, deps), out)
 
     # Hoisted values the kernel reads, and arrays it gathers from.
@@ -686,7 +703,8 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     compiled = CompiledMod(mod=mod, target=target, nodes=nodes, args=args, consts=consts, out=out,
                            side=tuple(side), rows=tuple(rows), cols=tuple(cols), arrays=tuple(arrays),
                            row_uses=tuple(uses(r) for r in rows), col_uses=tuple(uses(c) for c in cols),
-                           avals=dict(fl.avals), diags=tuple(diags), diag_uses=tuple(uses(d) for d in diags))
+                           avals=dict(fl.avals), diags=tuple(diags), diag_uses=tuple(uses(d) for d in diags),
+                           baked=dict(fl.baked))
     _check_kernel_part(compiled)
     return compiled
 

@@ -139,3 +139,45 @@ def test_checkpointed_mods_match_the_reference(backend, options):
     want = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slope, "reference", None)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+_TABLE = jnp.linspace(-1.0, 1.0, 64)
+_IDS = jnp.linspace(0.0, 1.0, 40)
+
+
+@jax.jit
+def _jitted_bias(q_idx, kv_idx):
+    return _TABLE[jnp.clip(q_idx - kv_idx + 31, 0, 63)]
+
+
+@jax.checkpoint
+def _checkpointed_row(q_idx):
+    return _IDS[q_idx]
+
+
+def _bias_in_calls(score, b, h, q_idx, kv_idx):
+    """Helpers in jit / checkpoint that close over tables of their own (nested consts)."""
+    return score + _jitted_bias(q_idx, kv_idx) + _checkpointed_row(q_idx)
+
+
+def _mask_in_call(b, h, q_idx, kv_idx):
+    return jax.jit(lambda q, k: _IDS[q] >= _IDS[k])(q_idx, kv_idx)
+
+
+@pytest.mark.parametrize("backend,options", [("xla", None), ("pallas", None),
+                                             ("pallas", {"target": "tpu", "interpret": True})])
+def test_arrays_closed_over_inside_calls(backend, options):
+    """A nested call's own arrays reach the kernels as constants (they used to be refused)."""
+    key = jax.random.split(jax.random.PRNGKey(1), 3)
+    q, k, v = (jax.random.normal(kk, (1, 40, 2, 16)) for kk in key)
+    bm = flexjax.create_block_mask(_mask_in_call, None, None, 40, 40, block_size=16)
+
+    def loss(q, backend, options):
+        out = flexjax.flex_attention(q, k, v, score_mod=_bias_in_calls, block_mask=bm, backend=backend,
+                                     kernel_options=options)
+        return jnp.sum(out * out)
+
+    got = jax.value_and_grad(loss)(q, backend, options)
+    want = jax.value_and_grad(loss)(q, "reference", None)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)

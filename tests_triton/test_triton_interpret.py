@@ -257,3 +257,19 @@ def test_grids_stay_within_cuda_limits(monkeypatch):
     jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
     assert {g[1:] for g in grids} == {(H, B)}, grids  # the forward, dQ (heads H) and dK/dV (kv heads H)
     assert all(max(g[1:]) <= 65535 < g[1] * g[2] for g in grids), grids
+
+
+def test_arrays_closed_over_inside_calls():
+    """jit / checkpoint helpers with tables of their own (the mod compiler bakes them in)."""
+    from test_call_primitives import _bias_in_calls, _mask_in_call
+
+    shape = (1, 40, 40, 2, 2, 16, 16)
+    q, k, v, do = inputs(shape, jnp.float32)
+    bm = flexjax.create_block_mask(_mask_in_call, None, None, 40, 40, block_size=16)
+
+    def attention(q, k, v, params, **kw):
+        return flexjax.flex_attention(q, k, v, _bias_in_calls, bm, return_lse=True, **kw)
+
+    got = loss_and_grads(attention, q, k, v, do, {}, backend="triton")
+    ref = loss_and_grads(attention, q, k, v, do, {}, backend="reference")
+    assert_close("nested_consts", got, ref, ref, jnp.float32)
