@@ -217,6 +217,9 @@ class CompiledMod:
       diag_uses: per diagonal value, whether it depends on (b, h).
       baked: var id -> value of the arrays a nested call's body closes over; the prologue
         reads them as it reads the captured arrays (they take no gradient).
+      row_reads_q: per hoisted row, whether it depends on ``q_idx``; one that does not (a
+        captured scalar, or arithmetic on captured scalars and b, h) is one value per (b, h),
+        which a kernel may load once instead of as a (tq, 1) block.
     """
 
     mod: StaticMod
@@ -235,6 +238,7 @@ class CompiledMod:
     diags: tuple = ()
     diag_uses: tuple = ()
     baked: dict = dataclasses.field(default_factory=dict)
+    row_reads_q: tuple = ()
 
     @property
     def name(self) -> str:
@@ -704,7 +708,7 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
                            side=tuple(side), rows=tuple(rows), cols=tuple(cols), arrays=tuple(arrays),
                            row_uses=tuple(uses(r) for r in rows), col_uses=tuple(uses(c) for c in cols),
                            avals=dict(fl.avals), diags=tuple(diags), diag_uses=tuple(uses(d) for d in diags),
-                           baked=dict(fl.baked))
+                           baked=dict(fl.baked), row_reads_q=tuple("q" in deps[r] for r in rows))
     _check_kernel_part(compiled)
     return compiled
 

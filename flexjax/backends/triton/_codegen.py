@@ -113,6 +113,8 @@ class GeneratedMod:
       fwd, bwd: names of the forward and (score mods only, else None) backward functions.
       rows, cols, arrays: how many row tiles, column tiles and array pointers they take.
       row_float, col_float: which rows / columns are float (the backward returns their gradients).
+      row_scalar: which rows do not depend on q_idx: the kernels load them as one scalar per
+        (b, h) program, not as a [TQ, 1] tile (a captured scalar would take a register per row).
       grad_reads: per float read whose gradient the backward returns, the array it reads.
       key: a digest of the source, for the caller's caches and kernel names.
     """
@@ -127,6 +129,7 @@ class GeneratedMod:
     col_float: tuple
     grad_reads: tuple
     key: str
+    row_scalar: tuple = ()
 
 
 def _is_float(dtype) -> bool:
@@ -488,5 +491,6 @@ def _generate(cm: CompiledMod, prefix: str) -> GeneratedMod:
     source = "\n\n\n".join(head + sources) + "\n"
     return GeneratedMod(source=source, fwd=f"{prefix}_fwd", bwd=bwd_name, rows=len(cm.rows), cols=len(cm.cols),
                         arrays=len(cm.arrays), row_float=row_float, col_float=col_float, grad_reads=grad_reads,
-                        key=hashlib.sha256(source.encode()).hexdigest()[:16])
+                        key=hashlib.sha256(source.encode()).hexdigest()[:16],
+                        row_scalar=tuple(not reads for reads in cm.row_reads_q))
 

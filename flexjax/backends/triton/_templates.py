@@ -144,11 +144,16 @@ class _Lines:
 
 
 def _row_loads(gm: GeneratedMod | None, p: str) -> list[str]:
-    """Loads of a mod's hoisted rows for (b, h) and the q tile at ``offs_q`` as [TQ, 1] tiles."""
+    """Loads of a mod's hoisted rows for (b, h) and the q tile at ``offs_q`` as [TQ, 1] tiles
+    (a row that does not depend on q_idx as one scalar)."""
     if gm is None:
         return []
-    return [f"{p.lower()}r{k} = tl.load({p}R{k} + ((b % {p}R{k}_B) * {p}R{k}_H + h % {p}R{k}_H) * SQ + offs_q)[:, None]"
-            for k in range(gm.rows)]
+    loads = []
+    for k in range(gm.rows):
+        at = f"{p}R{k} + ((b % {p}R{k}_B) * {p}R{k}_H + h % {p}R{k}_H) * SQ"
+        load = f"tl.load({at})" if gm.row_scalar[k] else f"tl.load({at} + offs_q)[:, None]"
+        loads.append(f"{p.lower()}r{k} = {load}")
+    return loads
 
 
 def _col_loads(gm: GeneratedMod | None, p: str) -> list[str]:
