@@ -91,7 +91,8 @@ def test_analysis_enters_calls(name):
     assert int(full.sum()) + int(empty.sum()) == 16 * 16 - 16  # only the diagonal tiles are partial
 
 
-@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("nested", "custom_vjp") else pytest.mark.slow)
+                                  for n in MASKS])
 def test_code_generators_take_wrapped_mods(name):
     traced = trace_mod(MASKS[name], "mask", arg_name="mask_mod")
     for target in _modcompiler.TARGETS:
@@ -117,7 +118,7 @@ def test_sharding_inliner_enters_transparent_calls():
     np.testing.assert_allclose(sharded._call(traced, (), *vals), score_mod(*vals), rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend,options", [("xla", None), ("pallas", None),
+@pytest.mark.parametrize("backend,options", [pytest.param("xla", None, marks=pytest.mark.slow), ("pallas", None),
                                              ("pallas", {"target": "tpu", "interpret": True})])
 def test_checkpointed_mods_match_the_reference(backend, options):
     """A checkpointed mask_mod and score_mod, forward and backward."""
@@ -164,7 +165,7 @@ def _mask_in_call(b, h, q_idx, kv_idx):
     return jax.jit(lambda q, k: _IDS[q] >= _IDS[k])(q_idx, kv_idx)
 
 
-@pytest.mark.parametrize("backend,options", [("xla", None), ("pallas", None),
+@pytest.mark.parametrize("backend,options", [pytest.param("xla", None, marks=pytest.mark.slow), ("pallas", None),
                                              ("pallas", {"target": "tpu", "interpret": True})])
 def test_arrays_closed_over_inside_calls(backend, options):
     """A nested call's own arrays reach the kernels as constants (they used to be refused)."""
