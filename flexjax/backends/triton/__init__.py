@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._modcompiler import compile_mod, refusing
+from ..._modcompiler import compile_mod
 from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args, lse_of
 from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
 from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
@@ -306,9 +306,7 @@ def unsupported_reason(spec, q, k, v):
     if o.autotune and o.interpret:
         return "kernel_options['autotune'] needs GPU kernels; it does nothing in Triton's interpreter"
     try:
-        with refusing("triton", " / ".join(m.name for m in (spec.score, spec.mask) if m is not None),
-                      "build the kernels for"):
-            _plan(spec.score, spec.mask, False)
+        _plan(spec.score, spec.mask, False)
     except NotImplementedError as e:
         return str(e)
     return None
