@@ -35,13 +35,13 @@ $(CSTAMP): pyproject.toml
 	touch $(CSTAMP)
 
 # Then the triton backend's: every kernel compiled for sm_90 and sm_80 with the same resource checks
-# (triton_suite.py), and tests_triton/ (its generated mods and kernels under Triton's interpreter
-# against the reference, and its lowering for cuda).
+# (triton_suite.py), and the tests marked `triton` (its generated mods and kernels under Triton's
+# interpreter against the reference, the conformance suite included, and its lowering for cuda).
 test-compile: $(CSTAMP)
 	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
 	$(CPY) tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md
 	$(CPY) tests_compile/decode_suite.py > tests_compile/last_decode_table.txt || (cat tests_compile/last_decode_table.txt; exit 1)
-	JAX_PLATFORMS=cpu PYTHONPATH=tests $(CPY) -m pytest -q -n 2 tests_triton
+	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m triton tests
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
@@ -50,7 +50,7 @@ bench: $(STAMP)
 # ruff pinned: a new release's rules would otherwise fail CI on unchanged code.
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff==0.17.6
-	$(VENV)/bin/ruff check flexjax tests tests_triton tests_compile benchmarks notebooks
+	$(VENV)/bin/ruff check flexjax tests tests_compile benchmarks notebooks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

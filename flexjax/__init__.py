@@ -6,6 +6,8 @@ from . import paged as paged
 from . import sharding as sharding
 from ._api import AuxOutput as AuxOutput
 from ._api import AuxRequest as AuxRequest
+from ._api import Explanation as Explanation
+from ._api import explain as explain
 from ._api import flex_attention as flex_attention
 from ._block_mask import BlockMask as BlockMask
 from ._block_mask import and_masks as and_masks
@@ -21,10 +23,12 @@ __all__ = [
     "AuxOutput",
     "AuxRequest",
     "BlockMask",
+    "Explanation",
     "and_masks",
     "create_block_mask",
     "create_mask",
     "dropout_mask",
+    "explain",
     "flex_attention",
     "masks",
     "mods",

@@ -15,107 +15,21 @@ import numpy as np
 
 from . import _dropout
 from ._autodiff import attention_jvp
-from ._block_mask import BlockMask, check_broadcast, full_block_mask
-from ._trace import StaticMod, trace_mod
-from .backends import available_backends, get_backend, kernel_option_names, platform_backends
+from ._block_mask import BlockMask, full_block_mask
+from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are public here)
+    AttentionSpec,
+    AuxOutput,
+    AuxRequest,
+    check_block_mask,
+    check_outputs,
+    check_qkv,
+    check_sinks,
+    results,
+)
+from ._trace import trace_mod
+from .backends import available_backends, get_backend, implementations, kernel_option_names, platform_backends
 from .backends._common import acc_dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-    """Everything static about one attention call; backends read it.
-
-    Attributes:
-      score: the traced score_mod, or None.
-      mask: the traced mask_mod, or None (no mask_mod: partial tiles only mask padding).
-      scale: the factor on q·k.
-      q_len, kv_len: sequence lengths.
-      block_size: the BlockMask's (block_q, block_kv).
-      kernel_options: the user's options as a sorted tuple of (key, value) pairs.
-      kv_band: the BlockMask's kv_band (the widest kv range of any q block, None when
-        unknown); backends may pick tiles from it (a band of width 256 wants other tiles
-        than causal attention).
-      dropout_rate: probability of dropping each attention probability (0.0: no dropout;
-        backends then run exactly their no-dropout code). The keep mask comes from
-        ``flexjax._dropout`` and the seed operand.
-    """
-
-    score: StaticMod | None
-    mask: StaticMod | None
-    scale: float
-    q_len: int
-    kv_len: int
-    block_size: tuple[int, int]
-    kernel_options: tuple = ()
-    kv_band: int | None = None
-    dropout_rate: float = 0.0
-
-    @property
-    def options(self) -> dict:
-        return dict(self.kernel_options)
-
-
-def _check_qkv(query, key, value):
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(
-                f"{name} must be a JAX array of shape (batch, seq, heads, head_dim), got {type(x).__name__}"
-            )
-        if x.ndim != 4:
-            raise ValueError(
-                f"{name} must have rank 4 (batch, seq, heads, head_dim), got shape {tuple(x.shape)}; "
-                "flexjax uses the layout of jax.nn.dot_product_attention"
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must be float32, bfloat16, float16 (or float64 with jax_enable_x64), "
-                            f"got {x.dtype}")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}; cast them to one"
-        )
-    B, Sq, Hq, D = query.shape
-    Bk, Skv, Hkv, Dk = key.shape
-    Bv, Sv, Hv, Dv = value.shape
-    if not (B == Bk == Bv):
-        raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv}; they must be equal")
-    if Dk != D:
-        raise ValueError(f"key head_dim {Dk} must equal query head_dim {D} (shapes {query.shape}, {key.shape})")
-    if Sv != Skv or Hv != Hkv:
-        raise ValueError(
-            f"value must have the key's seq and heads (batch, {Skv}, {Hkv}, Dv), got shape {tuple(value.shape)}"
-        )
-    if Hq % Hkv != 0:
-        raise ValueError(
-            f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for GQA/MQA; got key shape {key.shape}"
-        )
-    for name, n in (("query", Sq), ("key", Skv), ("query head_dim", D), ("value head_dim", Dv)):
-        if n == 0:
-            raise ValueError(f"{name} has a zero-sized dimension; shapes {query.shape}, {key.shape}, {value.shape}")
-
-
-def _check_block_mask(block_mask, query_shape, Skv):
-    B, Sq, Hq, _ = query_shape
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(
-            f"block_mask must be a BlockMask from flexjax.create_block_mask, got {type(block_mask).__name__}"
-        )
-    Bm, Hm, Qm, KVm = block_mask.shape
-    if (Qm, KVm) != (Sq, Skv):
-        msg = (f"block_mask was built for Q_LEN={Qm}, KV_LEN={KVm} but query has {Sq} tokens and key has {Skv}; "
-               f"rebuild it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})")
-        if Qm == query_shape[2]:
-            # The usual first symptom of PyTorch's (batch, heads, seq, head_dim) layout.
-            msg += (f". The query's axis 2 has {Qm} entries, the mask's Q_LEN: flexjax's layout is "
-                    "(batch, seq, heads, head_dim), as jax.nn.dot_product_attention; if your arrays are "
-                    "(batch, heads, seq, head_dim), pass jnp.swapaxes(x, 1, 2) for query, key and value")
-        raise ValueError(msg)
-    if Bm not in (1, B):
-        raise ValueError(f"block_mask was built for B={Bm} but query has batch {B}; rebuild it with B={B} or B=None")
-    if Hm not in (1, Hq):
-        raise ValueError(
-            f"block_mask was built for H={Hm} but query has {Hq} heads; rebuild it with H={Hq} or H=None"
-        )
-    check_broadcast(block_mask.mask, Bm, Hm, data_shape=(B, Hq))
+from .backends._contract import TileLists, first_serving
 
 
 def _and(names) -> str:
@@ -167,68 +81,6 @@ def register_sharded_dispatch(dispatch: Callable[..., Any]) -> None:
     _sharded_dispatch = dispatch
 
 
-class AuxRequest(NamedTuple):
-    """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns.
-
-    Attributes:
-      lse: the log-sum-exp of each row, float32 (B, Hq, Sq) (with ``sinks``, of keys and sinks).
-      max_scores: each row's maximum of the modified, unmasked scores, float32 (B, Hq,
-        Sq), ``-inf`` on rows with no allowed key (for monitoring or clipping logits, as
-        QK-clip does). Not differentiated (its tangent and cotangent are zero).
-    """
-
-    lse: bool = False
-    max_scores: bool = False
-
-
-class AuxOutput(NamedTuple):
-    """The auxiliary outputs requested by an ``AuxRequest``; None where not requested."""
-
-    lse: jax.Array | None = None
-    max_scores: jax.Array | None = None
-
-
-def _check_sinks(sinks, Hq):
-    if sinks is None:
-        return None
-    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
-        raise TypeError(f"sinks must be a float array of shape ({Hq},) or ({Hq}, n_sinks), got {type(sinks).__name__}")
-    if not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise TypeError(f"sinks must be a float array, got dtype {sinks.dtype}")
-    if sinks.ndim not in (1, 2) or sinks.shape[0] != Hq or (sinks.ndim == 2 and sinks.shape[1] == 0):
-        raise ValueError(f"sinks must have shape ({Hq},) or ({Hq}, n_sinks) (one logit per query head), "
-                         f"got {tuple(sinks.shape)}")
-    return sinks
-
-
-def _check_outputs(return_lse, return_aux):
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if return_aux is not None:
-        if not isinstance(return_aux, AuxRequest):
-            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
-        if return_lse:
-            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
-
-
-def _with_sinks(out, lse, sinks):
-    """Output and lse with ``sinks`` joining every row's softmax normalizer (they add no value).
-
-    The kernels normalize by the keys alone (lse_keys); with the sinks the normalizer is
-    lse = logaddexp(lse_keys, logsumexp(sinks)), so the output is the kernels' times
-    exp(lse_keys - lse). Exact, O(B * S * H * D), and differentiated by JAX through the
-    kernels' (out, lse) gradient. A row with no allowed key keeps output 0 and gets lse =
-    logsumexp(sinks).
-    """
-    dt = lse.dtype
-    s = sinks.astype(dt).reshape(sinks.shape[0], -1)
-    sink_lse = jax.nn.logsumexp(s, axis=-1)[None, :, None]
-    total = jnp.logaddexp(lse, sink_lse)
-    factor = jnp.exp(lse - total)  # 0 where lse is -inf
-    out = (out.astype(dt) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
-    return out, total
-
-
 def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                    score_mod: Callable | None = None, block_mask: BlockMask | None = None, *,
                    scale: float | None = None, return_lse: bool = False, return_aux: AuxRequest | None = None,
@@ -278,12 +130,12 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       Output (batch, q_len, q_heads, v_head_dim) in the query's dtype, or ``(out, lse)``,
       or ``(out, AuxOutput)``.
     """
-    _check_qkv(query, key, value)
-    _check_outputs(return_lse, return_aux)
+    check_qkv(query, key, value)
+    check_outputs(return_lse, return_aux)
     rate = _dropout.check_rate(dropout_rate)
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
     B, Sq, Hq, D = query.shape
-    sinks = _check_sinks(sinks, Hq)
+    sinks = check_sinks(sinks, Hq)
     want_max = return_aux is not None and return_aux.max_scores
     want_lse = return_lse or sinks is not None or (return_aux is not None and return_aux.lse)
     if _sharded_dispatch is not None:
@@ -292,7 +144,24 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                                     dropout=rate > 0, max_scores=want_max)
         if sharded is not NotImplemented:
             out, lse = sharded if want_lse else (sharded, None)
-            return _results(out, lse, None, sinks, return_lse, return_aux)
+            return results(out, lse, None, sinks, return_lse, return_aux)
+    call = _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, backend, rate)
+    impl, _ = _choose_backend(backend, call.spec, query, key, value)
+    out, lse, max_scores = _attention_jit(impl.NAME, call.spec, query, key, value, call.score_consts,
+                                          call.mask_consts, call.lists, seed)
+    return results(out, lse, max_scores, sinks, return_lse, return_aux)
+
+
+class _Call(NamedTuple):
+    spec: AttentionSpec
+    score_consts: tuple
+    mask_consts: tuple
+    lists: TileLists
+
+
+def _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, backend, rate) -> _Call:
+    """The call's spec (its mods traced), captured arrays and tile lists; checks scale and block_mask."""
+    B, Sq, Hq, D = query.shape
     Skv = key.shape[1]
     if scale is None:
         scale = 1.0 / math.sqrt(D)
@@ -300,43 +169,30 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
     if block_mask is None:
         block_mask = full_block_mask(1, 1, Sq, Skv)
-    _check_block_mask(block_mask, query.shape, Skv)
+    check_block_mask(block_mask, query.shape, Skv)
     score = None
     score_consts: tuple = ()
     if score_mod is not None:
         traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(query.dtype))
-        score, score_consts = traced.static(), traced.consts
+        score, score_consts = traced.static(), tuple(traced.consts)
     spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
                          kv_len=Skv, block_size=block_mask.block_size,
                          kernel_options=_options_tuple(kernel_options, backend),
                          kv_band=block_mask.kv_band, dropout_rate=rate)
-    impl = _choose_backend(backend, spec, query, key, value)
-    lists = block_mask.tree_flatten()[0][:8]
-    out, lse, max_scores = _attention_jit(impl.NAME, spec, query, key, value, tuple(score_consts),
-                                          tuple(block_mask.mask_consts), tuple(lists), seed)
-    return _results(out, lse, max_scores, sinks, return_lse, return_aux)
+    return _Call(spec, score_consts, tuple(block_mask.mask_consts), block_mask.tile_lists())
 
 
-def _results(out, lse, max_scores, sinks, return_lse, return_aux):
-    if sinks is not None:
-        out, lse = _with_sinks(out, lse, sinks)
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None,
-                              max_scores=max_scores if return_aux.max_scores else None)
-    return (out, lse) if return_lse else out
-
-
-def _unsupported_reason(candidate, name, spec, query, key, value):
+def _supports(candidate, name, spec, query, key, value):
     """The backend's answer to "can you serve this": None or a reason, never a crash.
 
-    ValueError and TypeError (an invalid kernel_options value) are the caller's to fix and
-    propagate; any other exception is a flexjax bug, reported as the reason, so that
-    ``backend=None`` moves on to the next backend (with its warning) instead of crashing.
+    ``validate_options`` raises ValueError / TypeError for an invalid kernel_options value,
+    the caller's to fix. ``supports`` must not raise; anything it does raise is a flexjax
+    bug, reported as the reason, so that ``backend=None`` moves on to the next backend
+    (with its warning) instead of crashing.
     """
+    candidate.validate_options(spec)
     try:
-        return candidate.unsupported_reason(spec, query, key, value)
-    except (ValueError, TypeError):
-        raise
+        return candidate.supports(spec, query, key, value)
     except NotImplementedError as e:
         return str(e)
     except Exception as e:
@@ -344,26 +200,81 @@ def _unsupported_reason(candidate, name, spec, query, key, value):
                 "bug, please report it")
 
 
-def _choose_backend(backend, spec, query, key, value):
-    """The named backend, or the first of the platform's list that can serve ``spec``.
+def _choose_backend(backend, spec, query, key, value, *, warn: bool = True):
+    """The named backend, or the first of the platform's list that can serve ``spec``, and
+    (name, reason) for each backend passed over.
 
     A named backend that cannot serve raises; with ``backend=None`` each skipped backend
-    is reported by a warning, so no fallback is silent.
+    is reported by a warning (``warn``), so no fallback is silent.
     """
     names = platform_backends() if backend is None else (backend,)
     skipped = []
     for name in names:
         candidate = get_backend(name)
-        reason = _unsupported_reason(candidate, name, spec, query, key, value)
+        reason = _supports(candidate, name, spec, query, key, value)
         if reason is None:
-            for skipped_name, skipped_reason in skipped:
+            for skipped_name, skipped_reason in skipped if warn else ():
                 warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "
-                              f"using {name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=3)
-            return candidate
+                              f"using {name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
+            return candidate, skipped
         if backend is not None:
             raise NotImplementedError(f"backend {name!r} cannot serve this call: {reason}")
         skipped.append((name, reason))
     raise NotImplementedError("no backend can serve this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Which backend and which of its implementations serve a call, and why the others do not.
+
+    Attributes:
+      backend: the backend's name.
+      forward: the implementation that runs the forward (e.g. "cpu_kernel", "decode",
+        "band", "loops" for xla; "decode", "tiled" for pallas).
+      backward: the implementation ``jax.grad`` runs, for gradients of q, k, v and every
+        float array the score_mod closes over.
+      skipped_backends, skipped_forward, skipped_backward: (name, reason) for each one
+        passed over, in the order tried.
+    """
+
+    backend: str
+    forward: str
+    backward: str
+    skipped_backends: tuple[tuple[str, str], ...] = ()
+    skipped_forward: tuple[tuple[str, str], ...] = ()
+    skipped_backward: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"backend {self.backend!r}: forward {self.forward!r}, backward {self.backward!r}"]
+        for kind, skipped in (("backend", self.skipped_backends), ("forward", self.skipped_forward),
+                              ("backward", self.skipped_backward)):
+            lines += [f"  skipped {kind} {name!r}: {reason}" for name, reason in skipped]
+        return "\n".join(lines)
+
+
+def explain(query: jax.Array, key: jax.Array, value: jax.Array, score_mod: Callable | None = None,
+            block_mask: BlockMask | None = None, *, scale: float | None = None, dropout_rate: float = 0.0,
+            dropout_rng: jax.Array | None = None, backend: str | None = None,
+            kernel_options: dict | None = None) -> Explanation:
+    """What ``flex_attention`` with these arguments would run, without running it.
+
+    Takes ``flex_attention``'s arguments (arrays or ``jax.ShapeDtypeStruct``s) and returns an
+    ``Explanation``: the backend chosen, the implementation of its forward and backward, and
+    the reason each backend or implementation tried before it was passed over (the same
+    reasons ``backend=None`` warns with). ``print(flexjax.explain(...))`` reads as a report.
+    Raises what ``flex_attention`` raises for invalid arguments or an unservable call.
+    """
+    check_qkv(query, key, value)
+    rate = _dropout.check_rate(dropout_rate)
+    seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
+    call = _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, backend, rate)
+    impl, skipped = _choose_backend(backend, call.spec, query, key, value, warn=False)
+    context = dict(spec=call.spec, q=query, k=key, v=value, score_consts=call.score_consts,
+                   mask_consts=call.mask_consts, lists=call.lists, dropout_seed=seed)
+    grads = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in call.score_consts)
+    fwd, fwd_skipped = first_serving(implementations(impl, "FORWARD"), **context)
+    bwd, bwd_skipped = first_serving(implementations(impl, "BACKWARD"), **context, grad_consts=grads)
+    return Explanation(impl.NAME, fwd, bwd, tuple(skipped), tuple(fwd_skipped), tuple(bwd_skipped))
 
 
 # -- autodiff ------------------------------------------------------------------------------
@@ -375,8 +286,7 @@ def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists, se
     impl = get_backend(backend_name)
     out, lse, residuals = impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists,
                                                       dropout_seed=seed)
-    row_max, _ = impl.row_stats(lse, residuals)
-    return out, lse, row_max
+    return out, lse, residuals.row_max
 
 
 def _attention_jvp(backend_name, spec, primals, tangents):
@@ -397,7 +307,3 @@ _attention.defjvp(_attention_jvp, symbolic_zeros=True)
 _attention_jit = jax.jit(_attention, static_argnums=(0, 1))
 
 
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)

@@ -49,13 +49,13 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
     """The JVP of ``(out, lse, row_max) = attention(q, k, v, score_consts, mask_consts, lists, extra)``.
 
     Args:
-      impl: the backend module (its ``row_stats`` and ``backward``).
+      impl: the backend module (its ``backward``).
       spec: the call's ``AttentionSpec``.
       primals: ``(q, k, v, score_consts, mask_consts, lists, extra)``; ``extra`` is what the
         entry point adds (the dropout seed, a page table).
       tangents: the matching tangents (symbolic zeros where not perturbed).
       forward: ``forward(q, k, v, score_consts, mask_consts, lists, extra) -> (out, lse,
-        residuals)``.
+        Residuals)``.
       seed_of: the dropout seed in ``extra`` (None: no dropout).
       logical: ``logical(x, extra)``: k / v (or their tangents) as the contiguous
         ``(B, KV_LEN, Hkv, .)`` arrays the backward and tangent pass read (a paged cache
@@ -66,27 +66,27 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
     q, k, v, score_consts, mask_consts, lists, extra = primals
     t_q, t_k, t_v, t_consts = tangents[:4]
     out, lse, residuals = forward(q, k, v, score_consts, mask_consts, lists, extra)
-    row_max, log_sum = impl.row_stats(lse, residuals)
+    row_max = residuals.row_max
     has_qkv, has_c, lin, split = _linear_tangents((t_q, t_k, t_v), t_consts, score_consts)
     zeros = (jnp.zeros(out.shape, out.dtype), jnp.zeros(lse.shape, lse.dtype), jnp.zeros_like(row_max))
     if not lin:
         return (out, lse, row_max), zeros
-    res = (q, k, v, out, lse, row_max, log_sum, score_consts, mask_consts, lists, extra, residuals)
+    res = (q, k, v, out, lse, score_consts, mask_consts, lists, extra, residuals)
     res_flat, res_tree = jax.tree.flatten(res)
 
     def unflatten(flat):
         return jax.tree.unflatten(res_tree, flat)
 
     def tangent_map(*args):
-        q_, k_, v_, out_, _, rmax, lsum, sc, mc, ls, ex, _ = unflatten(args[:len(res_flat)])
+        q_, k_, v_, out_, _, sc, mc, ls, ex, resid = unflatten(args[:len(res_flat)])
         tq, tk, tv, tc = split(args[len(res_flat):])
         tk, tv = (None if t is None else logical(t, ex) for t in (tk, tv))
-        t_out, t_lse = xla_backend.tangent(spec, q_, logical(k_, ex), logical(v_, ex), out_, rmax, lsum, sc, mc, ls,
+        t_out, t_lse = xla_backend.tangent(spec, q_, logical(k_, ex), logical(v_, ex), out_, resid, sc, mc, ls,
                                            tq, tk, tv, tc, dropout_seed=seed_of(ex))
         return t_out.astype(out_.dtype), t_lse.astype(lse.dtype)
 
     def transpose_map(*args):
-        q_, k_, v_, out_, lse_, _, _, sc, mc, ls, ex, resid = unflatten(args[:len(res_flat)])
+        q_, k_, v_, out_, lse_, sc, mc, ls, ex, resid = unflatten(args[:len(res_flat)])
         dout, dlse = args[len(res_flat):]
         dq, dk, dv, dscore = impl.backward(spec, q_, logical(k_, ex), logical(v_, ex), out_, lse_, dout, dlse, sc,
                                            mc, ls, has_c, resid, dropout_seed=seed_of(ex))

@@ -12,6 +12,7 @@ import numpy as np
 
 from ._factory import entry, int_array, named
 from ._trace import StaticMod, mod_name, trace_mod
+from .backends._contract import TileLists
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -92,7 +93,7 @@ def _list_width(need: int, most: int, width, n_cols: int) -> int:
     return w
 
 
-def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = None) -> tuple[jax.Array, ...]:
+def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = None) -> TileLists:
     """Sparse tile lists from a (B, H, nQ, nKV) array of EMPTY/PARTIAL/FULL.
 
     Returns ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
@@ -109,7 +110,7 @@ def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = N
     """
     kv_w, q_w = width if isinstance(width, tuple) else (width, width)
     if not isinstance(states, jax.core.Tracer):
-        return _np_lists(np.asarray(states), kv_w, q_w)
+        return TileLists(*_np_lists(np.asarray(states), kv_w, q_w))
 
     def rows(member, w):
         n = member.shape[-1]
@@ -122,7 +123,7 @@ def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = N
     fkv_n, fkv_i = rows(full, kv_w)
     q_n, q_i = rows(jnp.swapaxes(partial, -1, -2), q_w)
     fq_n, fq_i = rows(jnp.swapaxes(full, -1, -2), q_w)
-    return kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i
+    return TileLists(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i)
 
 
 # Rows of states sorted per step by ``_np_lists``: its int64 order stays near 64 MiB.
@@ -266,6 +267,11 @@ class BlockMask:
         seq_lengths, block_size, mask, kv_band = aux
         return cls(*children, seq_lengths=seq_lengths, block_size=block_size, mask=mask, kv_band=kv_band)
 
+    def tile_lists(self) -> TileLists:
+        """The eight tile lists as the backends read them (``backends._contract.TileLists``)."""
+        return TileLists(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                         self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
+
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_states(cls, states, mask_consts, *, seq_lengths, block_size, mask) -> BlockMask:
@@ -368,7 +374,7 @@ class BlockMask:
     def _is_traced(self) -> bool:
         """Whether the tile lists are abstract (inside jit), so only static facts are known."""
         return any(isinstance(x, jax.core.Tracer) or not isinstance(x, (jax.Array, np.ndarray))
-                   for x in self.tree_flatten()[0][:8])
+                   for x in self.tile_lists())
 
     def __repr__(self) -> str:
         B, H, Q, KV = self.shape
@@ -762,7 +768,7 @@ def _analysed_lists_eager(mask: StaticMod, consts, Bm, Hm, q_len, kv_len, bq, bk
     pad_q, pad_k = q_len % bq != 0, kv_len % bkv != 0
     kv = _direction_lists(full, f, g, qi, ki, codes[keep], nq, nkv, pad_q, pad_k, width, (Bm, Hm))
     q = _direction_lists(full.swapaxes(1, 2), f, g, ki, qi, codes[keep], nkv, nq, pad_k, pad_q, width, (Bm, Hm))
-    return kv + q
+    return TileLists(*kv, *q)
 
 
 def _direction_lists(full, f, g, r, c, codes, n_rows, n_cols, pad_row, pad_col, width, lead):
@@ -919,7 +925,7 @@ def _check_width(lists, width: int):
     def need(n, fn):
         return (n + fn).max()
 
-    worst = jnp.maximum(need(lists[0], lists[2]), need(lists[4], lists[6]))
+    worst = jnp.maximum(need(lists.kv_num, lists.full_kv_num), need(lists.q_num, lists.full_q_num))
 
     def fail(w):
         raise ValueError(
@@ -944,7 +950,7 @@ def _build_mask(mask: StaticMod, consts, B, H, q_len, kv_len, bq, bkv, analyse: 
         states = _build_states_jit(mask, consts, Bm, Hm, q_len, kv_len, bq, bkv)
     if lists is None:
         lists = lists_from_states(states, max_blocks_per_row)
-    if max_blocks_per_row is not None and isinstance(lists[0], jax.core.Tracer):
+    if max_blocks_per_row is not None and isinstance(lists.kv_num, jax.core.Tracer):
         _check_width(lists, max_blocks_per_row)
     lists = tuple(jnp.broadcast_to(x, (B, H) + x.shape[2:]) for x in lists)
     return BlockMask(*lists, consts, seq_lengths=(q_len, kv_len), block_size=(bq, bkv), mask=mask)

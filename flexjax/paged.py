@@ -40,7 +40,9 @@ from ._block_mask import (  # noqa: F401 (decode_block_mask and select_rows are 
     select_rows,
 )
 from ._factory import int_array
+from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
+from .backends._contract import TileLists
 
 
 def _per_sequence(name: str, x, B: int) -> jax.Array:
@@ -276,11 +278,11 @@ def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[
 
     if kv_i.shape[-1] > nkv or fkv_i.shape[-1] > nkv:  # (wider than a row: no BlockMask's lists)
         return lists_from_states(states())
-    kv = jax.lax.cond(ascending(kv_i, vp) & ascending(fkv_i, vf), prefixes, lambda: lists_from_states(states())[:4])
+    kv = jax.lax.cond(ascending(kv_i, vp) & ascending(fkv_i, vf), prefixes, lambda: lists_from_states(states()).by_q)
     st = states()[..., 0, :]  # (B, H, nkv): each kv block's one q block
     q_n, fq_n = ((st == s).astype(jnp.int32) for s in (PARTIAL, FULL))
     zeros = jnp.zeros(q_n.shape + (1,), jnp.int32)
-    return (*kv, q_n, zeros, fq_n, zeros)
+    return TileLists(*kv, q_n, zeros, fq_n, zeros)
 
 
 def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *,
@@ -320,7 +322,6 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     Returns:
       (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``, or ``(out, AuxOutput)``.
     """
-    from ._api import AttentionSpec, _check_block_mask, _check_outputs, _check_qkv, _check_sinks, _results
     from .backends._common import acc_dtype
 
     if backend not in (None, "xla", "pallas"):
@@ -333,13 +334,13 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         raise ValueError("k_pages and v_pages must be (num_pages, page_size, kv_heads, head_dim) with the same "
                          f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
                          f"{getattr(v_pages, 'shape', None)}")
-    _check_outputs(return_lse, return_aux)
+    check_outputs(return_lse, return_aux)
     if _dropout.check_rate(dropout_rate) > 0:
         raise NotImplementedError("flexjax.paged.flex_attention has no dropout (its kernels are decode paths): "
                                   "pass dropout_rate=0.0, or call flexjax.flex_attention on "
                                   "flexjax.paged.gather(k_pages, page_table) and its v_pages")
     B, Sq, Hq, D = query.shape
-    sinks = _check_sinks(sinks, Hq)
+    sinks = check_sinks(sinks, Hq)
     ps = k_pages.shape[1]
     pt = _page_table(page_table, B)
     lengths = int_array("kv_lengths", kv_lengths, "(B,)")
@@ -347,7 +348,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         raise ValueError(f"kv_lengths must be int32 (B={B},), got shape {lengths.shape}")
     kv_len = pt.shape[1] * ps
     # dtypes, heads and head dims, checked as for a contiguous cache of one page.
-    _check_qkv(query, jax.ShapeDtypeStruct((B,) + k_pages.shape[1:], k_pages.dtype),
+    check_qkv(query, jax.ShapeDtypeStruct((B,) + k_pages.shape[1:], k_pages.dtype),
                jax.ShapeDtypeStruct((B,) + v_pages.shape[1:], v_pages.dtype))
     if block_mask is None:
         bkv = math.gcd(ps, 128)
@@ -358,7 +359,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN)={block_mask.seq_lengths}; a paged call "
                          f"needs ({Sq}, max_pages * page_size = {kv_len}): rebuild it with "
                          f"create_block_mask(mask_mod, B, H, {Sq}, {kv_len})")
-    _check_block_mask(block_mask, query.shape, kv_len)  # its batch and head sizes
+    check_block_mask(block_mask, query.shape, kv_len)  # its batch and head sizes
     bkv = block_mask.block_size[1]
     if ps % bkv:
         raise ValueError(f"page_size ({ps}) must be a multiple of the block mask's kv block ({bkv}); rebuild "
@@ -369,6 +370,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(query.dtype))
         score, score_consts = traced.static(), tuple(traced.consts)
     lists, mask, mask_consts = _with_lengths(block_mask, lengths, B)
+    lists = TileLists(*lists)
     spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=Sq, kv_len=kv_len,
                          block_size=block_mask.block_size, kernel_options=tuple(sorted((kernel_options or {}).items())))
     name = backend or "xla"
@@ -376,7 +378,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         from .backends import pallas
         from .backends.pallas import _decode as pallas_decode
 
-        reason = pallas.unsupported_reason(spec, query, *_logical_like(B, kv_len, k_pages, v_pages))
+        pallas.validate_options(spec)
+        reason = pallas.supports(spec, query, *_logical_like(B, kv_len, k_pages, v_pages))
         if reason is not None:
             raise NotImplementedError(f"backend 'pallas' cannot serve this paged call: {reason}")
         o = pallas._resolve(spec, D, query.dtype)
@@ -387,8 +390,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
             reason = pallas_decode.tpu_reason(spec, query, v_pages, lists, pallas._mods(spec, o))
             if reason is not None:
                 raise NotImplementedError(f"the pallas paged kernel cannot serve this call on TPU: {reason}")
-    out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, tuple(lists), pt)
-    return _results(out, lse, max_scores, sinks, return_lse, return_aux)
+    out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists, pt)
+    return results(out, lse, max_scores, sinks, return_lse, return_aux)
 
 
 def _logical_like(B: int, kv_len: int, k_pages, v_pages):
@@ -429,11 +432,9 @@ def _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-    from .backends import get_backend
-
     out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
                                          page_table)
-    row_max, _ = get_backend(name).row_stats(lse, residuals)  # max_scores, as flex_attention's
+    row_max = residuals.row_max  # max_scores, as flex_attention's
     return out, lse, row_max
 
 

@@ -14,7 +14,25 @@ if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
 
+import importlib.util  # noqa: E402
+
 from hypothesis import settings  # noqa: E402
+
+# The triton-marked tests (make test-compile's venv has Triton, jax-triton and torch):
+# jax_triton sets TRITON_CACHE_DIR="" when imported (it compiles without Triton's cache),
+# which makes a later triton.compile in the same process fail ("Could not create or locate
+# cache dir"); the codegen tests compile with triton.compile, so import it first and give
+# Triton its default cache back.
+if importlib.util.find_spec("jax_triton") is not None:
+    _cache_dir = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        pass
+    if _cache_dir is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = _cache_dir
 
 settings.register_profile("default", max_examples=6)
 settings.register_profile("all", max_examples=50)

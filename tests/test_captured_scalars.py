@@ -429,8 +429,8 @@ def test_scalars_in_decode_and_paged_calls(backend):
 
 
 def test_any_crash_in_the_serve_question_is_a_refusal(monkeypatch):
-    """Whatever a backend's unsupported_reason raises (but ValueError / TypeError, the caller's
-    kernel_options) is its reason: backend=None warns and moves on, a named backend re-raises."""
+    """Whatever a backend's supports raises (it must not) is its reason: backend=None warns and
+    moves on, a named backend re-raises; each backend's own supports keeps the promise too."""
     import warnings
 
     from flexjax import _api
@@ -439,7 +439,8 @@ def test_any_crash_in_the_serve_question_is_a_refusal(monkeypatch):
     def crash(spec, q, k, v):
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr(pallas, "unsupported_reason", crash)
+    assert "RuntimeError" in pallas.never_raises(crash)(None, None, None, None)
+    monkeypatch.setattr(pallas, "supports", crash)
     monkeypatch.setattr(_api, "platform_backends", lambda platform=None: ("pallas", "xla"))
     q, k, v, _ = inputs((1, 32, 32, 1, 1, 16, 16), jnp.float32)
     with warnings.catch_warnings(record=True) as seen:

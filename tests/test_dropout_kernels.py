@@ -26,6 +26,7 @@ from flexjax._dropout import dropout_mask, seed_words
 from flexjax._trace import trace_mod
 from flexjax.backends import pallas
 from flexjax.backends._common import allowed, apply_score_mod
+from flexjax.backends._contract import Residuals
 
 TPU_INTERPRET = {"target": "tpu", "interpret": True}
 # (B, Sq, Skv, Hq, Hkv, D): GQA, lengths that are not multiples of the block.
@@ -146,7 +147,7 @@ def test_dropout_mha_shape():
     check(pallas, "causal+relative_bias", shape=(2, 64, 64, 2, 2, 16), block_size=32)
 
 
-@pytest.mark.slow  # tests_triton's test_dropout_tiles_agree and the xla one stay in their default sets
+@pytest.mark.slow  # test_triton_dropout.py's test_dropout_tiles_agree and the xla one stay in their default sets
 def test_dropout_tiles_agree():
     """Other tiles (splitting the mask's blocks) regenerate the same mask: the same out and grads."""
     make, q, k, v, do, dlse, sc, mc, lists = case("causal+relative_bias")
@@ -171,17 +172,22 @@ def test_rate_zero_is_the_plain_kernel():
     assert "u32" not in jaxpr
 
 
-def test_row_stats():
-    """row_stats gives the undropped row max (-inf on empty rows) and the log of the row sum."""
+def test_residuals():
+    """The forward's Residuals are the undropped rows' max and sum: max + log(sum) is lse; an
+    empty row (sum 0) has max -inf, and the backward's recompute stats are 0 there."""
     make, q, k, v, do, dlse, sc, mc, lists = case("causal+relative_bias")
     spec = make(RATE)
     seed, _ = key_and_mask(spec, q, k)
     out, lse, res = pallas.forward_with_residuals(spec, q, k, v, sc, mc, lists, dropout_seed=seed)
-    row_max, log_sum = pallas.row_stats(lse, res)
-    np.testing.assert_allclose(np.asarray(row_max + log_sum), np.asarray(lse), rtol=1e-6, atol=1e-6)
-    empty = pallas.row_stats(lse, (jnp.zeros((1, 1, 2)), jnp.asarray([[[0.0, 2.0]]])))
-    np.testing.assert_array_equal(np.asarray(empty[0]), [[[-np.inf, 0.0]]])
-    np.testing.assert_allclose(np.asarray(empty[1]), [[[0.0, np.log(2.0)]]])
+    assert isinstance(res, Residuals)
+    np.testing.assert_allclose(np.asarray(res.row_max + jnp.log(res.row_sum)), np.asarray(lse), rtol=1e-6,
+                               atol=1e-6)
+    empty = Residuals.from_running(jnp.zeros((1, 1, 2)), jnp.asarray([[[0.0, 2.0]]]))
+    np.testing.assert_array_equal(np.asarray(empty.row_max), [[[-np.inf, 0.0]]])
+    np.testing.assert_allclose(np.asarray(empty.lse()), [[[-np.inf, np.log(2.0)]]], rtol=1e-6)
+    row_max, log_sum = empty.recompute_stats()
+    np.testing.assert_array_equal(np.asarray(row_max), [[[0.0, 0.0]]])
+    np.testing.assert_allclose(np.asarray(log_sum), [[[0.0, np.log(2.0)]]])
 
 
 # -- lowering --------------------------------------------------------------------------------

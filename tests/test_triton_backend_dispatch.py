@@ -1,7 +1,7 @@
 """The triton backend in the default environment: registered, dispatched first on GPU, refused clearly without Triton.
 
 ``make test``'s .venv has neither triton nor jax-triton (the kernels' own checks run in
-``make test-compile``'s environment, tests_triton/), so here the backend must import,
+``make test-compile``'s environment, the tests marked ``triton``), so here the backend must import,
 validate its kernel_options and explain why it cannot serve.
 """
 

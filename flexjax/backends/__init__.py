@@ -1,4 +1,8 @@
-"""Backend registry: each backend serves the same forward/backward contract."""
+"""Backend registry: each backend implements the contract of ``_contract.Backend``.
+
+Adding a backend: write a module with what ``_contract.Backend`` lists, register its name
+in ``_BACKENDS`` and place it in ``_PLATFORM_ORDER`` (docs/architecture.md walks through it).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,7 @@ import importlib
 
 import jax
 
-# name -> module path; each module defines NAME, unsupported_reason, forward_with_residuals
-# (out, lse and what its backward needs), row_stats (each row's max and log-sum from those),
-# backward, and a KernelOptions dataclass when it takes kernel_options (docs/architecture.md).
+# name -> module path of a module that satisfies ``_contract.Backend``.
 _BACKENDS = {
     "reference": "flexjax.backends.reference",
     "xla": "flexjax.backends.xla",
@@ -18,7 +20,7 @@ _BACKENDS = {
 }
 
 # Ordered choices for backend=None, per platform; each list ends on "xla". On GPU, "triton"
-# serves only where jax-triton imports (its unsupported_reason says so otherwise, and the
+# serves only where jax-triton imports (its ``supports`` says so otherwise, and the
 # call warns that it fell through to "pallas").
 _PLATFORM_ORDER = {
     "cpu": ("xla",),
@@ -52,3 +54,11 @@ def kernel_option_names(name: str) -> tuple[str, ...]:
     options = getattr(backend, "KernelOptions", None)
     fields = tuple(f.name for f in dataclasses.fields(options)) if options is not None else ()
     return fields + tuple(getattr(backend, "SWITCHES", ()))
+
+
+def implementations(backend, kind: str) -> tuple:
+    """The ordered ``_contract.Implementation`` list of ``backend``'s "FORWARD" or "BACKWARD" pass
+    (one named after the backend where it declares none)."""
+    from ._contract import Implementation, always
+
+    return tuple(getattr(backend, kind, None) or (Implementation(backend.NAME, always),))

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
+from ._contract import TileLists
 
 # Scores of excluded pairs. The online softmax's running max starts at the lowest finite
 # value (``row_init``), never at -inf, so ``s - m`` is never (-inf) - (-inf) = NaN: an
@@ -56,25 +57,13 @@ def lse_of(m, l):
     return jnp.where(alive, m + jnp.log(jnp.where(alive, l, 1.0)), -jnp.inf)
 
 
-def row_stats(m, l):
-    """(lse, row max, log of the row sum) from the running max ``m`` and sum ``l``.
-
-    The backward recomputes ``P = exp((s - max) - log_sum)`` from the last two: ``lse``
-    alone loses ``log(l)`` where ``|max|`` is huge (a row of scores at -1e30 has lse
-    -1e30 in float32, and exp(s - lse) would give 1 instead of 1/l). Rows with no key
-    get lse -inf and 0 for the others.
-    """
-    alive = l > 0
-    return lse_of(m, l), jnp.where(alive, m, 0.0), jnp.log(jnp.where(alive, l, 1.0))
-
-
 def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
     """The BlockMask's lists regrouped into (tq, tk) compute tiles."""
     bq, bkv = block_size
     fq, fk = tq // bq, tk // bkv
     bm = BlockMask(*lists, seq_lengths=(q_len, kv_len), block_size=block_size, mask=None)
     if fq == 1 and fk == 1:
-        return tuple(lists)
+        return TileLists(*lists)
     states = bm.block_states()
     B, H, nq, nkv = states.shape
     nqc, nkc = -(-nq // fq), -(-nkv // fk)
@@ -85,22 +74,8 @@ def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
                        jnp.where((cells != EMPTY).any((3, 5)), PARTIAL, EMPTY)).astype(jnp.int8)
     # A coarse row gathers fq block rows of at most (partial + full list widths) tiles each:
     # the coarse lists need no more, so compact lists stay compact.
-    return lists_from_states(coarse, (min(nkc, fq * (lists[1].shape[-1] + lists[3].shape[-1])),
-                                      min(nqc, fk * (lists[5].shape[-1] + lists[7].shape[-1]))))
-
-
-def max_sum_row_stats(lse, residuals):
-    """(row max, log of the row sum), each (B, Hq, Sq) float32, from kernel residuals (max, sum).
-
-    The ``row_stats`` of the kernel backends (pallas, triton), whose forwards keep each
-    row's max and sum apart. The max is that of the row's modified, allowed scores (-inf on
-    a row with no allowed key); the sum is of exp(s - max), undropped (0 on such rows, so
-    its log is set to 0).
-    """
-    del lse
-    row_max, row_sum = residuals
-    alive = row_sum > 0
-    return jnp.where(alive, row_max, -jnp.inf), jnp.where(alive, jnp.log(jnp.where(alive, row_sum, 1.0)), 0.0)
+    return lists_from_states(coarse, (min(nkc, fq * (lists.kv_idx.shape[-1] + lists.full_kv_idx.shape[-1])),
+                                      min(nqc, fk * (lists.q_idx.shape[-1] + lists.full_q_idx.shape[-1]))))
 
 
 # Rows whose max score is at least this large in magnitude are recomputed in the kernels'

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from .._block_mask import EMPTY, FULL, PARTIAL, _states_from_lists, lists_from_states
-from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, row_init, row_stats
+from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, row_init
+from ._contract import Residuals
 
 # Queries per sequence up to which the decode path runs. Measured on the 2-core CPU (B=4,
 # Hq=32, Hkv=8, D=128, f32, cache 4096, causal_bottom_right), decode path against the
@@ -40,15 +41,22 @@ _STEP_BYTES = 1 << 20
 _FIELDS_READ = frozenset({"score", "mask", "scale", "q_len", "kv_len", "block_size", "kernel_options", "kv_band"})
 
 
-def serves(spec, q) -> bool:
-    """Whether the decode path computes this call: ``Sq <= DECODE_MAX_Q``, no tile options,
-    and every feature it does not implement at its default (e.g. ``dropout_rate == 0``)."""
-    if spec.q_len > DECODE_MAX_Q or "block_q" in spec.options or "block_kv" in spec.options:
-        return False
+def reason(spec, q) -> str | None:
+    """None where the decode path computes this call (``Sq <= DECODE_MAX_Q``, no tile options,
+    and every feature it does not implement at its default, e.g. ``dropout_rate == 0``), else why not."""
+    if spec.q_len > DECODE_MAX_Q:
+        return f"{spec.q_len} queries, more than the decode path's {DECODE_MAX_Q}"
+    if "block_q" in spec.options or "block_kv" in spec.options:
+        return "explicit forward tiles in kernel_options"
     for f in dataclasses.fields(spec):
         if f.name not in _FIELDS_READ and getattr(spec, f.name) != f.default:
-            return False
-    return True
+            return f"{f.name}={getattr(spec, f.name)!r}, which the decode path does not implement"
+    return None
+
+
+def serves(spec, q) -> bool:
+    """Whether the decode path computes this call (``reason`` is None)."""
+    return reason(spec, q) is None
 
 
 def row_lists(spec, lists, Hq: int, Hkv: int):
@@ -60,7 +68,7 @@ def row_lists(spec, lists, Hq: int, Hkv: int):
     united: a tile is full where it is full in all of them, partial where it is non-empty
     in any (the mask_mod then decides per pair, which is exact).
     """
-    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     Bm, Hm, nq = kv_n.shape
     if nq == 1 and Hm == 1:
         return kv_n[:, :, 0], kv_i[:, :, 0], fkv_n[:, :, 0], fkv_i[:, :, 0]
@@ -201,5 +209,5 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     acc = (acc * scale[..., None]).sum(2)
     out = acc / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     out = out.reshape(B, Hkv, G, Sq, Dv).transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv).astype(q.dtype)
-    lse, row_max, log_sum = (x.reshape(B, Hq, Sq) for x in row_stats(m_all, l_all))
-    return out, lse, (row_max, log_sum)
+    res = Residuals(*(x.reshape(B, Hq, Sq) for x in Residuals.from_running(m_all, l_all)))
+    return out, res.lse(), res

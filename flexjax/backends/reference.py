@@ -7,18 +7,28 @@ import jax.numpy as jnp
 
 from .. import _dropout
 from ._common import acc_dtype, allowed, apply_score_mod
+from ._contract import Implementation, Residuals, always, never_raises
 
 NAME = "reference"
 
 
-def unsupported_reason(spec, q, k, v):
+def validate_options(spec) -> None:
+    """The reference backend has no kernel_options to check (any given are refused by ``supports``)."""
+
+
+@never_raises
+def supports(spec, q, k, v) -> str | None:
+    """None: the reference backend serves every call without kernel_options."""
     if spec.options:
         return f"the reference backend takes no kernel_options, got {sorted(spec.options)}"
     return None
 
 
+FORWARD = BACKWARD = (Implementation("dense", always),)
+
+
 def _dense(spec, q, k, v, score_consts, mask_consts, seed=None):
-    """out, lse and each row's max score (-inf on rows with no allowed key), densely."""
+    """out, lse and the rows' ``Residuals``, densely."""
     B, Sq, Hq, _ = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -44,20 +54,12 @@ def _dense(spec, q, k, v, score_consts, mask_consts, seed=None):
         p = jnp.where(keep, p / (1.0 - spec.dropout_rate), 0.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=hi)
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]
-    row_max = jnp.where(l > 0, m, -jnp.inf)[..., 0]
-    return out.astype(q.dtype), lse, row_max
+    return out.astype(q.dtype), lse, Residuals.from_running(m[..., 0], l[..., 0])
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and each row's max as the residual (the backward differentiates the dense math again)."""
-    out, lse, row_max = _dense(spec, q, k, v, score_consts, mask_consts, dropout_seed)
-    return out, lse, row_max
-
-
-def row_stats(lse, residuals):
-    """(row max, log-sum) (B, Hq, Sq): max -inf and log-sum 0 on rows with no allowed key."""
-    row_max = residuals
-    return row_max, jnp.where(lse == -jnp.inf, 0.0, lse - jnp.where(lse == -jnp.inf, 0.0, row_max))
+    """out, lse and the rows' ``Residuals`` (the backward differentiates the dense math again)."""
+    return _dense(spec, q, k, v, score_consts, mask_consts, dropout_seed)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dropout
-from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lists, row_init
-from ._common import row_stats as stats_of_rows
+from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lists, lse_of, row_init
+from ._contract import Implementation, Residuals, TileLists, always, first_serving, never_raises
 
 NAME = "xla"
 
@@ -95,11 +95,9 @@ def _resolve(spec) -> tuple[KernelOptions, int | None]:
     return KernelOptions(**values), band
 
 
-def unsupported_reason(spec, q, k, v):
+def validate_options(spec) -> None:
+    """Raises ValueError for an invalid value of one of this backend's kernel_options."""
     opts = spec.options
-    unknown = sorted(set(opts) - set(_FIELDS) - set(SWITCHES))
-    if unknown:
-        return f"unknown kernel_options {unknown} for the xla backend; it takes {[*_FIELDS, *SWITCHES]}"
     if not isinstance(opts.get("cpu_kernel", True), bool):
         raise ValueError(f"kernel_options['cpu_kernel'] must be a bool, got {opts['cpu_kernel']!r}")
     bq, bkv = spec.block_size
@@ -113,7 +111,50 @@ def unsupported_reason(spec, q, k, v):
                 f"kernel_options[{f!r}] must be a positive multiple of the BlockMask's "
                 f"block ({base}), got {val!r}"
             )
+
+
+@never_raises
+def supports(spec, q, k, v) -> str | None:
+    """None: the xla backend serves every call with its own kernel_options."""
+    unknown = sorted(set(spec.options) - set(_FIELDS) - set(SWITCHES))
+    if unknown:
+        return f"unknown kernel_options {unknown} for the xla backend; it takes {[*_FIELDS, *SWITCHES]}"
     return None
+
+
+def _band_reason(spec, **_) -> str | None:
+    if _resolve(spec)[1] is None:
+        return (f"the mask's widest kv range ({spec.kv_band}) is unknown or above {_BAND_MAX}, or forward tiles "
+                "were given")
+    return None
+
+
+def _cpu_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed, **_) -> str | None:
+    from . import cpu  # the C++ kernel (AVX-512 CPUs with a C++ compiler)
+    return cpu.reason(spec, q, k, v, score_consts, mask_consts, dropout_seed)
+
+
+def _cpu_backward_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed, grad_consts, **_) -> str | None:
+    from . import cpu
+    return cpu.backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed)
+
+
+def _decode_reason(spec, q, **_) -> str | None:
+    from . import _decode  # few queries (Sq <= 64): GQA rows packed, KV chunks merged by lse
+    return _decode.reason(spec, q)
+
+
+# The ways this backend serves each pass, in the order they are tried (``_contract.first_serving``).
+FORWARD = (
+    Implementation("cpu_kernel", _cpu_reason),   # one fused C++ call (backends/cpu)
+    Implementation("decode", _decode_reason),    # few queries: GQA rows packed, kv chunks merged by lse
+    Implementation("band", _band_reason),        # one contiguous kv slice per q tile, no loop
+    Implementation("loops", always),             # a loop over each q tile's kv tiles
+)
+BACKWARD = (
+    Implementation("cpu_kernel", _cpu_backward_reason),
+    Implementation("loops", always),
+)
 
 
 # -- tiles ---------------------------------------------------------------------------------
@@ -220,7 +261,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
     lists: coarse tile lists of this group, (nQ,) / (nQ, nKV). Returns out (Bs, Hs, Gs,
     Sq_pad, Dv) and the row stats (lse, max, log-sum), each (Bs, Hs, Gs, Sq_pad), in qt's dtype.
     """
-    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     lead = qt.shape[:3]
     dv = vt.shape[-1]
     tile_shape = lead + (g.tq, g.tk)
@@ -257,7 +298,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
         carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
         m, l, acc = carry
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return out, stats_of_rows(m, l)
+        return out, (lse_of(m, l), *Residuals.from_running(m, l))
 
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32)), lead)
 
@@ -280,7 +321,7 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
     the loop over tiles, whose per-step cost dominates for narrow bands.
     Shapes as in ``_fwd_core``; kT and vt are padded to at least ``width``.
     """
-    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     lead = qt.shape[:3]
     skv_pad = kT.shape[-1]
     nkv = g.nk  # the lists may be narrower than nKV: any index past the last tile marks 'none'
@@ -304,7 +345,7 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
         l = p.sum(-1)
         p = _dropped(spec, seed, p, b, h, q_c, kv_c)
         pv = _bmm(_rows(p, lead), _rows(_slice(vt, start, width, 2), lead)).reshape(lead + (g.tq, -1))
-        return pv / jnp.where(l > 0, l, 1.0)[..., None], stats_of_rows(m, l)
+        return pv / jnp.where(l > 0, l, 1.0)[..., None], (lse_of(m, l), *Residuals.from_running(m, l))
 
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32), batch_size=_BAND_BATCH), lead)
 
@@ -321,7 +362,7 @@ def _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt, kT, kt, vT, d
     its q tiles (transposed lists), carrying the tile's dK^T/dV^T; dQ accumulates into a
     carried array. Sequential, so deterministic.
     """
-    q_n, q_i, fq_n, fq_i = lists[4:]
+    q_n, q_i, fq_n, fq_i = lists.by_kv
     float_idx = [n for n, want in enumerate(grad_consts) if want]
     lead = qt.shape[:3]
     d, dv_dim = qt.shape[-1], dot.shape[-1]
@@ -460,30 +501,26 @@ def _prepare(spec, q, k, lists, backward: bool):
     batch_shared, head_shared = Bm == 1, Hm == 1
     # Lists as (Bm, Hkv_m, G_m, ...) to line up with the query layout (B, Hkv, G, ...).
     shape = (Bm, 1, 1) if head_shared else (Bm, Hkv, G)
-    coarse = tuple(x.reshape(shape + x.shape[2:]) for x in coarse)
+    coarse = TileLists(*(x.reshape(shape + x.shape[2:]) for x in coarse))
     b_ids = jnp.arange(B, dtype=jnp.int32)
     h_ids = jnp.arange(Hq, dtype=jnp.int32).reshape(Hkv, G)
     return g, band, coarse, batch_shared, head_shared, b_ids, h_ids
 
 
-def row_stats(lse, residuals):
-    """(row max, log-sum) float (B, Hq, Sq) from the residuals; max -inf, log-sum 0 on rows with no key."""
-    row_max, log_sum = residuals
-    return jnp.where(lse == -jnp.inf, -jnp.inf, row_max), log_sum
-
-
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and, for the backward, each row's (max, log-sum) (B, Hq, Sq)."""
-    from . import cpu  # the same forward as one fused C++ call (AVX-512 CPUs with a C++ compiler)
-    if cpu.reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) is None:
+    """out, lse and, for the backward, each row's ``Residuals`` (B, Hq, Sq)."""
+    name, _ = first_serving(FORWARD, spec=spec, q=q, k=k, v=v, score_consts=score_consts, mask_consts=mask_consts,
+                            dropout_seed=dropout_seed)
+    if name == "cpu_kernel":
+        from . import cpu
         return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists, _xla_forward)
     return _xla_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
 
 
 def _xla_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """``forward_with_residuals`` in XLA ops: the decode path for few queries, else the loops."""
-    from . import _decode  # few queries (Sq <= 64): GQA rows packed, KV chunks merged by lse
-    if _decode.serves(spec, q):
+    """``forward_with_residuals`` in XLA ops: the decode path for few queries, else the loops (or the band)."""
+    if _decode_reason(spec, q) is None:
+        from . import _decode
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
     return _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
 
@@ -499,7 +536,7 @@ def _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed
     vt = _pad_seq(_heads_major(v, hkv)[:, :, 0], skv_pad)
 
     def core(qt_, kv, qrows, lists_, b_, h_):
-        lst = tuple(x[0, 0, 0] for x in lists_)
+        lst = TileLists(*(x[0, 0, 0] for x in lists_))
         if band is not None:
             out, stats = _fwd_band_core(spec, g, band, score_consts, mask_consts, qt_, *kv, lst, b_, h_, dropout_seed)
         else:
@@ -509,8 +546,8 @@ def _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed
     (out, *stats), _, _ = _run_groups(core, b_sh, h_sh, qt, (kT, vt), (), coarse, b_ids, h_ids)
     B, Sq, Hq, _ = q.shape
     out = out[..., :Sq, :].reshape(B, Hq, Sq, -1).transpose(0, 2, 1, 3).astype(q.dtype)
-    lse, row_max, log_sum = (x[..., :Sq].reshape(B, Hq, Sq) for x in stats)
-    return out, lse, (row_max, log_sum)
+    lse, row_max, row_sum = (x[..., :Sq].reshape(B, Hq, Sq) for x in stats)
+    return out, lse, Residuals(row_max, row_sum)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
@@ -518,11 +555,13 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``; None
     for the others.
 
-    ``residuals``: the (row max, log-sum) of ``forward_with_residuals``: P is recomputed
-    from them, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
+    ``residuals``: the ``Residuals`` of ``forward_with_residuals``: P is recomputed from the
+    row max and log-sum, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
     """
-    from . import cpu  # dq, dk, dv as one fused C++ call (no gradients of captured arrays)
-    if cpu.backward_reason(spec, q, k, v, score_consts, mask_consts, grad_consts, dropout_seed) is None:
+    name, _ = first_serving(BACKWARD, spec=spec, q=q, k=k, v=v, score_consts=score_consts, mask_consts=mask_consts,
+                            dropout_seed=dropout_seed, grad_consts=grad_consts)
+    if name == "cpu_kernel":  # dq, dk, dv as one fused C++ call (no gradients of captured arrays)
+        from . import cpu
         dq, dk, dv = cpu.backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals,
                                   _loops_backward)
         return dq, dk, dv, (None,) * len(score_consts)
@@ -549,13 +588,14 @@ def _loops_backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_cons
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(dt), out.astype(dt)) - dlse
     pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
     # Padded rows get max 0 and log-sum 0; every P there is masked to 0 anyway.
-    max_t, log_sum_t = (jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows) for x in residuals)
+    max_t, log_sum_t = (jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows)
+                        for x in residuals.recompute_stats())
     delta_t = jnp.pad(delta.reshape(B, hkv, Hq // hkv, Sq), pad_rows)
     float_idx = [n for n, want in enumerate(grad_consts) if want]
 
     def core(qt_, kv, qrows, lists_, b_, h_):
         dq, dkT, dvT, dconsts = _bwd_core(spec, g, score_consts, grad_consts, mask_consts, qt_, *kv, *qrows,
-                                          tuple(x[0, 0, 0] for x in lists_), b_, h_, dropout_seed)
+                                          TileLists(*(x[0, 0, 0] for x in lists_)), b_, h_, dropout_seed)
         return (dq,), (dkT, dvT), dconsts
 
     qrows = (dot, jnp.swapaxes(qt, -1, -2), jnp.swapaxes(dot, -1, -2), max_t, log_sum_t, delta_t)
@@ -585,7 +625,7 @@ def _tangent_core(spec, g, score_consts, t_consts, mask_consts, qt, kv, qrows, l
     tvt = kv_t.pop(0) if has[2] else None
     tqt = qrows[0] if has[0] else None
     row_max, log_sum = qrows[-2:]
-    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     float_idx = [n for n, t in enumerate(t_consts) if t is not None]
     lead = qt.shape[:3]
     dv = vt.shape[-1]
@@ -652,13 +692,12 @@ def _tangent_core(spec, g, score_consts, t_consts, mask_consts, qt, kv, qrows, l
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32)), lead)
 
 
-def tangent(spec, q, k, v, out, row_max, log_sum, score_consts, mask_consts, lists, tq, tk, tv, t_consts,
+def tangent(spec, q, k, v, out, residuals, score_consts, mask_consts, lists, tq, tk, tv, t_consts,
             dropout_seed=None):
     """Forward-mode tangent (d out, d lse) of flex_attention, blockwise (any backend's forward).
 
     Args:
-      q, k, v, out: the primal inputs and output; row_max, log_sum: (B, Hq, Sq) from the
-        backend's ``row_stats`` (max -inf, log-sum 0 on rows with no allowed key).
+      q, k, v, out: the primal inputs and output; residuals: the forward's ``Residuals``.
       tq, tk, tv: tangents of q, k, v, or None (zero); t_consts: one per score_mod
         captured array, None where zero.
 
@@ -682,15 +721,14 @@ def tangent(spec, q, k, v, out, row_max, log_sum, score_consts, mask_consts, lis
         kv.append(_pad_seq(_heads_major(tv, hkv)[:, :, 0], skv_pad))
     pad_rows = ((0, 0), (0, 0), (0, 0), (0, sq_pad - Sq))
     # Rows with no allowed key: max 0 (every P there is masked to 0 anyway).
-    row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
-    qrows = [jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows) for x in (row_max, log_sum)]
+    qrows = [jnp.pad(x.astype(dt).reshape(B, hkv, Hq // hkv, Sq), pad_rows) for x in residuals.recompute_stats()]
     if has[0]:
         qrows.insert(0, _pad_seq(_heads_major(tq, hkv) * spec.scale, sq_pad))
     t_consts = tuple(None if t is None else t.astype(jnp.promote_types(dt, t.dtype)) for t in t_consts)
 
     def core(qt_, kv_, qrows_, lists_, b_, h_):
         t_out, t_lse = _tangent_core(spec, g, score_consts, t_consts, mask_consts, qt_, kv_, qrows_,
-                                     tuple(x[0, 0, 0] for x in lists_), b_, h_, dropout_seed, has)
+                                     TileLists(*(x[0, 0, 0] for x in lists_)), b_, h_, dropout_seed, has)
         return (t_out, t_lse), (), ()
 
     (t_out, t_lse), _, _ = _run_groups(core, b_sh, h_sh, qt, tuple(kv), tuple(qrows), coarse, b_ids, h_ids)

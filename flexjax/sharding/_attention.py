@@ -24,10 +24,11 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._api import _check_block_mask, _check_qkv, _zero_cotangent, register_sharded_dispatch
 from .._api import flex_attention as _flex_attention
+from .._api import register_sharded_dispatch
 from .._block_mask import EMPTY, BlockMask
 from .._jaxpr import TRANSPARENT_CALLS, call_body
+from .._spec import check_block_mask, check_qkv, zero_cotangent
 from .._trace import StaticMod, trace_mod
 from ._layout import block_order, positions
 from ._specs import AttentionSpecs, active_specs, axes_of, make_specs
@@ -322,11 +323,11 @@ def _ring_bwd(plan, res, cts):
     dq, dconsts = add(dq, gq), add(dconsts, gc)
     # The last block's dK/dV (and with it every block's) goes home in one more hop.
     dk, dv = jax.lax.ppermute(add(dkv, (gk, gv)), axis, perm)
-    dscore = [_zero_cotangent(c) for c in score_consts]
+    dscore = [zero_cotangent(c) for c in score_consts]
     for j, d in zip(float_idx, dconsts, strict=True):
         dscore[j] = d.astype(score_consts[j].dtype)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(dscore),
-            jax.tree.map(_zero_cotangent, mask_consts), jax.tree.map(_zero_cotangent, states))
+            jax.tree.map(zero_cotangent, mask_consts), jax.tree.map(zero_cotangent, states))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -372,7 +373,7 @@ def _divides(count: int, parts: int, what: str, spec_name: str):
 def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=None, block_mask=None, *,
                            scale=None, return_lse=False, backend=None, kernel_options=None) -> Any:
     """flex_attention over the mesh as ``specs`` say (global shapes in, global shapes out)."""
-    _check_qkv(query, key, value)
+    check_qkv(query, key, value)
     B, Sq, Hq, _ = query.shape
     Skv, Hkv = key.shape[1], key.shape[2]
     mesh = specs.resolve_mesh()
@@ -405,13 +406,13 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
 
     tiles, mask, mask_consts, block_size, kv_band, tiles_spec = (), None, (), None, None, ()
     if block_mask is not None:
-        _check_block_mask(block_mask, query.shape, Skv)
+        check_block_mask(block_mask, query.shape, Skv)
         Bm, Hm = block_mask.shape[:2]
         rows = (b_e if Bm == B else None, h_e if Hm == Hq else None)
         if n == 1:
             # Batch / head parallelism only: each shard takes its rows of the index lists
             # as they are (no dense tile states, the lists' width and kv_band kept).
-            tiles = tuple(block_mask.tree_flatten()[0][:8])
+            tiles = tuple(block_mask.tile_lists())
             tiles_spec = tuple(P(*rows) for _ in tiles)
             kv_band = block_mask.kv_band
         else:

@@ -51,6 +51,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
+from .._common import lse_of
+from .._contract import Residuals, TileLists
 from . import _codegen
 
 _HERE = Path(__file__).resolve().parent
@@ -468,15 +470,15 @@ def _bind(direction, spec, lead, score_consts, mask_consts, lists, loops):
 
 
 def forward(spec, q, k, v, score_consts, mask_consts, lists, loops):
-    """out (B, Sq, Hq, Dv) in q's dtype, lse and each row's (max, log-sum), (B, Hq, Sq) float32.
+    """out (B, Sq, Hq, Dv) in q's dtype, lse and the rows' ``Residuals``, (B, Hq, Sq) float32.
 
     One primitive (``flexjax_cpu_attention``): lowered for CPU it is the kernel's FFI call;
     lowered for export (``jax.export``, whose artifacts must not hold this process's
     function addresses) or for another platform it is ``loops(spec, q, k, v, score_consts,
     mask_consts, lists)``, the xla backend's own forward, which gives the same result.
     """
-    out, lse, row_max, log_sum = _bind("fwd", spec, (q, k, v), score_consts, mask_consts, lists, loops)
-    return out, lse, (row_max, log_sum)
+    out, lse, row_max, row_sum = _bind("fwd", spec, (q, k, v), score_consts, mask_consts, lists, loops)
+    return out, lse, Residuals(row_max, row_sum)
 
 
 def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, loops):
@@ -485,21 +487,20 @@ def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_cons
     v_pages, page_table, score_consts, mask_consts, lists)`` is the XLA version (for export).
     """
     lead = (q, k_pages, v_pages, jnp.asarray(page_table, jnp.int32))
-    out, lse, row_max, log_sum = _bind("paged", spec, lead, score_consts, mask_consts, lists, loops)
-    return out, lse, (row_max, log_sum)
+    out, lse, row_max, row_sum = _bind("paged", spec, lead, score_consts, mask_consts, lists, loops)
+    return out, lse, Residuals(row_max, row_sum)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals, loops):
     """dq, dk, dv (the inputs' dtypes) through the same primitive; ``loops`` is the xla backend's backward."""
-    row_max, log_sum = residuals
-    lead = (q, k, v, out, lse, dout, dlse, row_max, log_sum)
+    lead = (q, k, v, out, lse, dout, dlse, *residuals)
     return tuple(_bind("bwd", spec, lead, score_consts, mask_consts, lists, loops))
 
 
 def _split(args, direction, n_score):
     n = _LEAD[direction]
     lead, rest = args[:n], args[n:]
-    return tuple(lead), tuple(rest[:8]), tuple(rest[8:8 + n_score]), tuple(rest[8 + n_score:])
+    return tuple(lead), TileLists(*rest[:8]), tuple(rest[8:8 + n_score]), tuple(rest[8 + n_score:])
 
 
 def _f32(x):
@@ -507,8 +508,6 @@ def _f32(x):
 
 
 def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
-    from .._common import row_stats
-
     lead, lists, score_consts, mask_consts = _split(args, direction, n_score)
     q, k, v = lead[:3]
     B, Sq, Hq, D = q.shape
@@ -523,7 +522,7 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
         call = jax.ffi.ffi_call(_TARGET, outs)
         # The mods' packed variants (several query heads in one tile's rows), built only where
         # the kernel can pack: GQA, lists shared by every head, at most 64 rows per head.
-        G, Hm = Hq // k.shape[2], lists[0].shape[1]
+        G, Hm = Hq // k.shape[2], lists.kv_num.shape[1]
         can_pack = G > 1 and Hm == 1 and min(spec.block_size[0], Sq) <= 64
         packed = dict(score_packed=np.int64(_packed_address(spec.score, score_consts) if can_pack else 0),
                       mask_packed=np.int64(_packed_address(spec.mask, mask_consts) if can_pack else 0))
@@ -532,11 +531,11 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
         else:
             page_table, page_size = jnp.zeros((1, 1), jnp.int32), np.int64(0)
         kv = (k, v) if _native_kv(q, k, v) else (_f32(k), _f32(v))
-        out, m, l = call(_f32(q), *kv, page_table, *lists[:4], *score_consts, *mask_consts, **attrs,
+        out, m, l = call(_f32(q), *kv, page_table, *lists.by_q, *score_consts, *mask_consts, **attrs,
                          **packed, page_size=page_size, pair_products=np.int64(pair_products()))
-        lse, row_max, log_sum = row_stats(m, l)
-        return out.astype(q.dtype), lse, row_max, log_sum
-    out, _, dout, dlse, row_max, log_sum = lead[3:]
+        return out.astype(q.dtype), lse_of(m, l), *Residuals.from_running(m, l)
+    out, _, dout, dlse, row_max, row_sum = lead[3:]
+    row_max, log_sum = Residuals(row_max, row_sum).recompute_stats()
     outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
             jax.ShapeDtypeStruct(v.shape, jnp.float32))
     vjp = _vjp_address(spec.score, score_consts) if spec.score is not None else 0
@@ -547,18 +546,18 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
     dlse = jnp.broadcast_to(_f32(dlse), (B, Hq, Sq))
     prep = np.int64({"auto": 0, "prepass": 1, "per_tile": 2}[_BWD_PREP])
     dq, dk, dv = call(_f32(q), _f32(k), _f32(v), _f32(out), _f32(dout), dlse, _f32(row_max), _f32(log_sum),
-                      *lists[4:], *score_consts, *mask_consts, vjp_fn=np.int64(vjp), prep=prep, **attrs)
+                      *lists.by_kv, *score_consts, *mask_consts, vjp_fn=np.int64(vjp), prep=prep, **attrs)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _loops_impl(*args, direction, spec, n_score, n_mask, loops):
     lead, lists, score_consts, mask_consts = _split(args, direction, n_score)
     if direction in ("fwd", "paged"):
-        out, lse, (row_max, log_sum) = loops(spec, *lead, score_consts, mask_consts, lists)
-        return out, lse, row_max, log_sum
-    q, k, v, out, lse, dout, dlse, row_max, log_sum = lead
+        out, lse, residuals = loops(spec, *lead, score_consts, mask_consts, lists)
+        return out, lse, *residuals
+    q, k, v, out, lse, dout, dlse, row_max, row_sum = lead
     dq, dk, dv, _ = loops(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists,
-                          (False,) * len(score_consts), (row_max, log_sum))
+                          (False,) * len(score_consts), Residuals(row_max, row_sum))
     return dq, dk, dv
 
 

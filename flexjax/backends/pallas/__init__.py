@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args, lse_of
-from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
-from . import _gpu, _tpu
+from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args
+from .._contract import Implementation, Residuals, always, first_serving, never_raises
+from . import _decode, _gpu, _tpu
 from ._layout import geometry, pad_axis, prologues, score_const_grads
 from ._tile import Mods
 
@@ -160,17 +160,18 @@ def _check_options(opts: dict, block_size):
         raise ValueError(f"kernel_options['interpret'] must be a bool, got {interpret!r}")
 
 
-def unsupported_reason(spec, q, k, v):
-    """None if the pallas backend can serve this call, else why not.
+def validate_options(spec) -> None:
+    """Raises ValueError for an invalid value of one of this backend's kernel_options."""
+    _check_options(spec.options, spec.block_size)
 
-    Raises:
-      ValueError: a kernel_options value is invalid.
-    """
+
+@never_raises
+def supports(spec, q, k, v) -> str | None:
+    """None if the pallas backend can serve this call, else why not (``validate_options`` has run)."""
     opts = spec.options
     unknown = sorted(set(opts) - set(_FIELDS))
     if unknown:
         return f"unknown kernel_options {unknown} for the pallas backend; it takes {list(_FIELDS)}"
-    _check_options(opts, spec.block_size)
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"the pallas backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
     if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
@@ -217,21 +218,38 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     return g, lists, qp, kp, vp
 
 
+def _decode_reason(spec, q, k, v, lists, **_) -> str | None:
+    """None where the decode kernel serves (few queries: KV split over programs, merged by lse).
+
+    On TPU, calls the decode kernel cannot serve take the tiled kernels, which are exact too.
+    """
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    if not _decode.serves(spec, q, o):
+        return f"{spec.q_len} queries or options the decode kernel does not take"
+    return _decode.tpu_reason(spec, q, v, lists, _mods(spec, o)) if o.target == "tpu" else None
+
+
+# The ways this backend serves each pass, in the order they are tried (``_contract.first_serving``):
+# the decode kernel, then the tiled kernels (``_gpu``: Pallas' Triton lowering or its interpreter;
+# ``_tpu``: Mosaic), which serve every call ``supports`` accepts.
+FORWARD = (Implementation("decode", _decode_reason), Implementation("tiled", always))
+BACKWARD = (Implementation("tiled", always),)
+
+
 def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32.
+    """out, lse and, for the backward, the rows' ``Residuals`` (B, Hq, Sq) float32.
 
     ``dropout_seed``: (2,) uint32 when ``spec.dropout_rate`` > 0 (the statistics are those
     of the undropped probabilities).
     """
     o = _resolve(spec, q.shape[-1], q.dtype)
-    from . import _decode  # few queries: KV split over programs, merged by lse
     mods = _mods(spec, o)
-    # (On TPU, calls the decode kernel cannot serve take the tiled kernels, which are exact too.)
-    if _decode.serves(spec, q, o) and (o.target != "tpu" or _decode.tpu_reason(spec, q, v, lists, mods) is None):
+    name, _ = first_serving(FORWARD, spec=spec, q=q, k=k, v=v, lists=lists)
+    if name == "decode":
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
@@ -241,14 +259,15 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
                                                  **dropout_args(spec, dropout_seed))
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq, 0], row_sum[:, :, :Sq, 0]
-    return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
+    res = Residuals.from_running(row_max, row_sum)
+    return out[:, :Sq, :, : v.shape[-1]], res.lse(), res
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
              dropout_seed=None):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
-    ``residuals``: the (row max, row sum) of ``forward_with_residuals``; ``dropout_seed`` the
+    ``residuals``: the ``Residuals`` of ``forward_with_residuals``; ``dropout_seed`` the
     forward's (the kernels regenerate its keep mask). Rows with a huge
     max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which
     gives P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS =

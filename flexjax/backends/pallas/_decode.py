@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._common import lse_of
+from .._contract import Residuals
 from .._decode import DECODE_MAX_Q
 from .._decode import serves as xla_serves
 from ._gpu import _compiler_params, _div, _pro_refs, _Program, _rem, _take, _uses, _whole
@@ -76,7 +76,7 @@ def tpu_reason(spec, q, v, lists, mods: Mods) -> str | None:
                 f"multiples of 128, got D={D}, Dv={Dv}")
     if spec.q_len > spec.block_size[0]:
         return f"the TPU decode kernel takes the queries in one q block: Sq={spec.q_len} > block {spec.block_size[0]}"
-    if lists[0].shape[1] != 1:
+    if lists.kv_num.shape[1] != 1:
         return ("the TPU decode kernel walks one tile list per sequence; this BlockMask has one per head (build "
                 "it with H=None)")
     for m in (mods.score, mods.mask):
@@ -285,12 +285,12 @@ def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_
         out_shape=[jax.ShapeDtypeStruct((chunks, B, H, tq, Dv), jnp.float32), vec_shape, vec_shape],
         interpret=o.interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         name="flexjax_decode",
-    )(*lists[:4], *([page_table] if paged else []), qt, kf, vf, *pro_args)
+    )(*lists.by_q, *([page_table] if paged else []), qt, kf, vf, *pro_args)
     return acc.transpose(0, 1, 3, 2, 4), m, l
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods: Mods, page_table=None):
-    """out (B, Sq, Hq, Dv), lse and the pallas backward's residuals (row max, row sum).
+    """out (B, Sq, Hq, Dv), lse and the rows' ``Residuals``.
 
     ``page_table``: int32 (B, max_pages) when k and v are page pools (num_pages,
     page_size, Hkv, .) in logical positions (``spec.kv_len = max_pages * page_size``).
@@ -333,7 +333,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
     if tpu:
         acc, m, l = _tpu_call(g, mods, spec.scale, qp, k, v, lists, s_pro, m_pro, o, pack, page_table)
         return _merge(acc, m, l, q, pack, Sq, G, g.Hkv, Hq, Dv)
-    width = (lists[1].shape[-1] + lists[3].shape[-1]) * g.sub_k
+    width = (lists.kv_idx.shape[-1] + lists.full_kv_idx.shape[-1]) * g.sub_k
     chunks = max(1, min(_CHUNKS, width))
     per = -(-width // chunks)
     pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays)
@@ -344,7 +344,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
         kv_specs = [pl.BlockSpec((None, g.skv, None, x.shape[-1]), lambda c, i, bh: (bh // H, 0, (bh % H) // Gp, 0))
                     for x in (k, v)]
         head = []
-    in_specs = ([_whole(x) for x in lists[:4]] + [_whole(x) for x in head]
+    in_specs = ([_whole(x) for x in lists.by_q] + [_whole(x) for x in head]
                 + [pl.BlockSpec((None, tq, None, D), lambda c, i, bh: (bh // H, i, bh % H, 0))] + kv_specs
                 + [_whole(x) for x in pro_args])
     vec = pl.BlockSpec((None, None, None, tq, 1), lambda c, i, bh: (c, bh // H, bh % H, i, 0))
@@ -357,7 +357,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
         out_shape=[jax.ShapeDtypeStruct((chunks, B, nqt * tq, H, Dv), jnp.float32), vec_shape, vec_shape],
         interpret=o.interpret, compiler_params=_compiler_params(o.target, o.interpret, o.num_warps, o.num_stages),
         name="flexjax_decode",
-    )(*lists[:4], *head, qp, k, v, *pro_args)
+    )(*lists.by_q, *head, qp, k, v, *pro_args)
     return _merge(acc, m, l, q, pack, Sq, G, g.Hkv, Hq, Dv)
 
 
@@ -376,5 +376,6 @@ def _merge(acc, m, l, q, pack, Sq, G, Hkv, Hq, Dv):
     l_all = (l * w).sum(0)
     acc = (acc[:, :, :Sq] * (w * l).transpose(0, 1, 3, 2)[..., None]).sum(0)
     out = acc / jnp.where(l_all > 0, l_all, 1.0).transpose(0, 2, 1)[..., None]
-    return out.astype(q.dtype), lse_of(m_all, l_all), (m_all, l_all)
+    res = Residuals.from_running(m_all, l_all)
+    return out.astype(q.dtype), res.lse(), res
 

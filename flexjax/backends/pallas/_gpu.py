@@ -182,7 +182,7 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
     sum (B, Hq, sq, 1) float32 (see ``_tile.finish``). ``rate`` > 0: dropout on P with the (2,)
     uint32 ``seed``."""
     G, Hq = g.G, g.Hq
-    kv_n, kv_i, fkv_n, fkv_i = lists[:4]
+    kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     D, Dv = q.shape[-1], v.shape[-1]
     pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays,
                 *_seed_args(seed, rate))
@@ -365,11 +365,11 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
                                n_drows=sum(float_rows), arr_info=arr_info, rate=rate)
     dq, *rest = pl.pallas_call(
         kernel, grid=(nq, g.B * Hq),
-        in_specs=[_whole(x) for x in lists[:4]] + [row_spec(D), seq_spec(D), seq_spec(Dv), row_spec(Dv),
+        in_specs=[_whole(x) for x in lists.by_q] + [row_spec(D), seq_spec(D), seq_spec(Dv), row_spec(Dv),
                                                    vec_spec, vec_spec] + [_whole(x) for x in pro_args],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret, compiler_params=params,
         name="flexjax_bwd_dq",
-    )(*lists[:4], q, k, v, do, lse, delta, *pro_args)
+    )(*lists.by_q, q, k, v, do, lse, delta, *pro_args)
     it = iter(rest)
     d_rows = tuple(next(it) if f else None for f in float_rows)
     d_arrays = []
@@ -391,11 +391,11 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
                                n_dcols=sum(float_cols), rate=rate)
     dk, dv, *rest = pl.pallas_call(
         kernel, grid=(nk, g.B * Hkv),
-        in_specs=[_whole(x) for x in lists[4:]] + [all_q(D), kv_spec(D), kv_spec(Dv), all_q(Dv), all_vec,
+        in_specs=[_whole(x) for x in lists.by_kv] + [all_q(D), kv_spec(D), kv_spec(Dv), all_q(Dv), all_vec,
                                                    all_vec] + [_whole(x) for x in pro_args],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret, compiler_params=params,
         name="flexjax_bwd_dkv",
-    )(*lists[4:], q, k, v, do, lse, delta, *pro_args)
+    )(*lists.by_kv, q, k, v, do, lse, delta, *pro_args)
     it = iter(rest)
     d_cols = tuple(next(it) if f else None for f in float_cols)
     return dq, dk, dv, d_rows, d_cols, tuple(d_arrays)

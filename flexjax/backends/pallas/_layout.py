@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from ..._modcompiler import CompiledMod
 from .._common import coarse_lists
+from .._contract import TileLists
 from ._tile import Mods
 
 
@@ -64,13 +65,13 @@ def geometry(spec, q, k, lists, tq: int, tk: int):
     """
     bq, bk = spec.block_size
     cq, ck = max(bq, tq), max(bk, tk)
-    lists = tuple(lists)
+    lists = TileLists(*lists)
     if (cq, ck) != (bq, bk):
-        lists = tuple(coarse_lists(lists, spec.block_size, cq, ck, spec.q_len, spec.kv_len))
+        lists = coarse_lists(lists, spec.block_size, cq, ck, spec.q_len, spec.kv_len)
     B, Sq, Hq, _ = q.shape
     g = Geom(tq=tq, tk=tk, cq=cq, ck=ck, sq=_round_up(Sq, cq), skv=_round_up(spec.kv_len, ck),
-             q_len=Sq, kv_len=spec.kv_len, B=B, Hq=Hq, Hkv=k.shape[2], Bm=lists[0].shape[0],
-             Hm=lists[0].shape[1])
+             q_len=Sq, kv_len=spec.kv_len, B=B, Hq=Hq, Hkv=k.shape[2], Bm=lists.kv_num.shape[0],
+             Hm=lists.kv_num.shape[1])
     return g, lists
 
 

@@ -204,8 +204,8 @@ def forward(g: Geom, mods: Mods, scale, q, k, v, lists, s_pro: Prologue, m_pro: 
     G = g.G
     qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     D, Dv = q.shape[-1], v.shape[-1]
-    nsteps = _steps(lists[1], lists[3], g.skv // g.ck)
-    L = lists[:4]
+    nsteps = _steps(lists.kv_idx, lists.full_kv_idx, g.skv // g.ck)
+    L = lists.by_q
 
     def kv_map(b, h, i, t, *refs):
         return (b, h // G, _lists_at(g, refs, b, h, i, t)[0], 0)
@@ -381,7 +381,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, g.sq, 1), jnp.float32) for f in float_rows if f]
     out_shape += [jax.ShapeDtypeStruct((g.B, g.Hq, 1, win.size), jnp.float32) for f in float_diags if f]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(g.B, g.Hq, nq, _steps(lists[1], lists[3], g.skv // g.ck)),
+        num_scalar_prefetch=4, grid=(g.B, g.Hq, nq, _steps(lists.kv_idx, lists.full_kv_idx, g.skv // g.ck)),
         in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((g.tq, D), jnp.float32)] + [pltpu.VMEM((g.tq, 1), jnp.float32)
                                                                for f in float_rows if f])
@@ -391,13 +391,13 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
     dq, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape,
                                compiler_params=_params(2 if any(float_diags) else 3),
                                interpret=interpret, name="flexjax_bwd_dq",
-                               )(*lists[:4], qt, kt, vt, dot_, lse, delta, *pro_args)
+                               )(*lists.by_q, qt, kt, vt, dot_, lse, delta, *pro_args)
     it = iter(rest)
     d_rows = tuple(next(it) if f else None for f in float_rows)
     d_rows += tuple(next(it) if f else None for f in float_diags)
 
     # dK/dV: grid (b, kv head, kv tile, step over (query head of the group, q list)).
-    nq = _steps(lists[5], lists[7], g.sq // g.cq)  # steps per query head (compact lists: not the q tiles)
+    nq = _steps(lists.q_idx, lists.full_q_idx, g.sq // g.cq)  # steps per query head (compact lists: not the q tiles)
 
     def q_map(b, kvh, j, t, *refs):
         h = kvh * G + t // nq
@@ -433,7 +433,7 @@ def backward(g: Geom, mods: Mods, scale, q, k, v, do, lse, delta, lists, s_pro: 
                                n_dcols=sum(float_cols), nq=nq, rate=rate)
     dk, dv, *rest = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape, compiler_params=_params(3),
                                    interpret=interpret, name="flexjax_bwd_dkv",
-                                   )(*lists[4:], qt, kt, vt, dot_, lse, delta, *pro_args)
+                                   )(*lists.by_kv, qt, kt, vt, dot_, lse, delta, *pro_args)
     it = iter(rest)
     d_cols = tuple(next(it) if f else None for f in float_cols)
     return (jnp.swapaxes(dq, 1, 2), jnp.swapaxes(dk, 1, 2), jnp.swapaxes(dv, 1, 2), d_rows, d_cols,

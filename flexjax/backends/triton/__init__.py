@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args, lse_of
-from .._common import max_sum_row_stats as row_stats  # noqa: F401  (the backend entry point)
+from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args
+from .._contract import Implementation, Residuals, always, never_raises
 from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
 from ..pallas._tile import Mods
 from . import _codegen, _kernels, _launch, _templates, _versions
@@ -272,17 +272,18 @@ def _plan(score, mask, grads: bool, dropout: bool = False):
     return cms, plan, _templates.source(plan)
 
 
-def unsupported_reason(spec, q, k, v):
-    """None if the triton backend can serve this call, else why not.
+def validate_options(spec) -> None:
+    """Raises ValueError for an invalid value of one of this backend's kernel_options."""
+    _check_options(spec.options, spec.block_size)
 
-    Raises:
-      ValueError: a kernel_options value is invalid.
-    """
+
+@never_raises
+def supports(spec, q, k, v) -> str | None:
+    """None if the triton backend can serve this call, else why not (``validate_options`` has run)."""
     opts = spec.options
     unknown = sorted(set(opts) - set(_FIELDS))
     if unknown:
         return f"unknown kernel_options {unknown} for the triton backend; it takes {list(_FIELDS)}"
-    _check_options(opts, spec.block_size)
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"the triton backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
     if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
@@ -310,6 +311,10 @@ def unsupported_reason(spec, q, k, v):
     except NotImplementedError as e:
         return str(e)
     return None
+
+
+# One way to serve each pass: the generated kernels (``_contract.first_serving``).
+FORWARD = BACKWARD = (Implementation("kernels", always),)
 
 
 def _autotune_configs(spec, o: KernelOptions, backward: bool):
@@ -342,7 +347,7 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and, for the backward, each row's (max, sum) (B, Hq, Sq) float32.
+    """out, lse and, for the backward, the rows' ``Residuals`` (B, Hq, Sq) float32.
 
     ``dropout_seed``: (2,) uint32 when ``spec.dropout_rate`` > 0 (the statistics are those
     of the undropped probabilities).
@@ -355,14 +360,15 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
                                              _run(spec, o, backward=False), **dropout_args(spec, dropout_seed))
     Sq = q.shape[1]
     row_max, row_sum = row_max[:, :, :Sq], row_sum[:, :, :Sq]
-    return out[:, :Sq, :, : v.shape[-1]], lse_of(row_max, row_sum), (row_max, row_sum)
+    res = Residuals.from_running(row_max, row_sum)
+    return out[:, :Sq, :, : v.shape[-1]], res.lse(), res
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
              dropout_seed=None):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
-    ``residuals``: the (row max, row sum) of ``forward_with_residuals``; ``dropout_seed`` the
+    ``residuals``: the ``Residuals`` of ``forward_with_residuals``; ``dropout_seed`` the
     forward's (the kernels regenerate its keep mask). Rows with a huge
     max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which gives
     P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS = P (dP - delta)

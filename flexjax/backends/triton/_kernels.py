@@ -91,8 +91,8 @@ def forward(plan: Plan, source: str, g: Geom, scale, q, k, v, lists, s_pro: Prol
     """q (B, sq, Hq, D), k/v (B, skv, Hkv, .) padded; returns out (B, sq, Hq, Dv) and each row's
     max and sum (B, Hq, sq) float32 (max 0 on empty rows). With ``plan.dropout``, ``rate`` and
     the (2,) uint32 ``seed`` of the mask."""
-    kv_n, kv_i = _lists(*lists[0:2])
-    fkv_n, fkv_i = _lists(*lists[2:4])
+    kv_n, kv_i = _lists(lists.kv_num, lists.kv_idx)
+    fkv_n, fkv_i = _lists(lists.full_kv_num, lists.full_kv_idx)
     D, Dv = q.shape[-1], v.shape[-1]
     drop_args, drop_consts = _dropout_args(plan, rate, seed)
     consts = {**_common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype), **drop_consts}
@@ -120,8 +120,8 @@ def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, l
     nq, nk = g.sq // g.tq, g.skv // g.tk
 
     # dQ, and the row and array-read gradients.
-    kv_n, kv_i = _lists(*lists[0:2])
-    fkv_n, fkv_i = _lists(*lists[2:4])
+    kv_n, kv_i = _lists(lists.kv_num, lists.kv_idx)
+    fkv_n, fkv_i = _lists(lists.full_kv_num, lists.full_kv_idx)
     consts = {**_common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype), **drop_consts}
     consts.update(NBH=g.B * g.Hq, CHUNK=run.chunk)
     out_shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -137,8 +137,8 @@ def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, l
                       consts, run, zeroed_outputs=slabs)
 
     # dK/dV, and the column gradients.
-    q_n, q_i = _lists(*lists[4:6])
-    fq_n, fq_i = _lists(*lists[6:8])
+    q_n, q_i = _lists(lists.q_num, lists.q_idx)
+    fq_n, fq_i = _lists(lists.full_q_num, lists.full_q_idx)
     consts = {**_common(g, scale, D, Dv, q_n, q_i, fq_i, s_pro, m_pro, q.dtype), **drop_consts}
     out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if plan.grads:

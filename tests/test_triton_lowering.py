@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 from catalog import BY_NAME, build
 
+pytestmark = pytest.mark.triton  # runs under make test-compile (Triton and torch installed)
+
 pytest.importorskip("jax_triton")
 
 # (B, Sq, Skv, Hq, Hkv, D, Dv): GQA at a GPU-sized head dim, two 128-blocks per side.

@@ -27,6 +27,8 @@ from flexjax._modcompiler import compile_mod  # noqa: E402
 from flexjax._trace import trace_mod  # noqa: E402
 from flexjax.backends.triton import _codegen, _launch  # noqa: E402
 
+pytestmark = pytest.mark.triton  # runs under make test-compile (Triton and torch installed)
+
 B, H, SQ, SKV = 2, 4, 96, 80
 BM, BN = 32, 64
 

@@ -14,6 +14,8 @@ import pytest
 
 import flexjax
 
+pytestmark = pytest.mark.triton  # runs under make test-compile (Triton and torch installed)
+
 torch = pytest.importorskip("torch")
 tfa = pytest.importorskip("torch.nn.attention.flex_attention")
 hop = pytest.importorskip("torch._higher_order_ops.flex_attention")

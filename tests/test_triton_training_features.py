@@ -9,9 +9,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_training_features import HQ, B, S, _close, _dense, _flex, _inputs
+import pytest
 
-import flexjax
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+from test_training_features import HQ, B, S, _close, _dense, _flex, _inputs  # noqa: E402
+
+import flexjax  # noqa: E402
+
+pytestmark = pytest.mark.triton  # runs under make test-compile (Triton and torch installed)
 
 TRITON = {"backend": "triton"}
 

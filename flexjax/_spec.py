@@ -1,0 +1,191 @@
+"""What ``flex_attention`` and ``paged.flex_attention`` share: the call's spec, input checks and results.
+
+``_api`` (the contiguous entry point), ``paged`` (page pools) and ``sharding`` build on it; it
+imports only the BlockMask type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._block_mask import BlockMask, check_broadcast
+from ._trace import StaticMod
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Everything static about one attention call; backends read it.
+
+    Attributes:
+      score: the traced score_mod, or None.
+      mask: the traced mask_mod, or None (no mask_mod: partial tiles only mask padding).
+      scale: the factor on q·k.
+      q_len, kv_len: sequence lengths.
+      block_size: the BlockMask's (block_q, block_kv).
+      kernel_options: the user's options as a sorted tuple of (key, value) pairs.
+      kv_band: the BlockMask's kv_band (the widest kv range of any q block, None when
+        unknown); backends may pick tiles from it (a band of width 256 wants other tiles
+        than causal attention).
+      dropout_rate: probability of dropping each attention probability (0.0: no dropout;
+        backends then run exactly their no-dropout code). The keep mask comes from
+        ``flexjax._dropout`` and the seed operand.
+    """
+
+    score: StaticMod | None
+    mask: StaticMod | None
+    scale: float
+    q_len: int
+    kv_len: int
+    block_size: tuple[int, int]
+    kernel_options: tuple = ()
+    kv_band: int | None = None
+    dropout_rate: float = 0.0
+
+    @property
+    def options(self) -> dict:
+        return dict(self.kernel_options)
+
+
+def check_qkv(query, key, value):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(
+                f"{name} must be a JAX array of shape (batch, seq, heads, head_dim), got {type(x).__name__}"
+            )
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 (batch, seq, heads, head_dim), got shape {tuple(x.shape)}; "
+                "flexjax uses the layout of jax.nn.dot_product_attention"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be float32, bfloat16, float16 (or float64 with jax_enable_x64), "
+                            f"got {x.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}; cast them to one"
+        )
+    B, Sq, Hq, D = query.shape
+    Bk, Skv, Hkv, Dk = key.shape
+    Bv, Sv, Hv, Dv = value.shape
+    if not (B == Bk == Bv):
+        raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv}; they must be equal")
+    if Dk != D:
+        raise ValueError(f"key head_dim {Dk} must equal query head_dim {D} (shapes {query.shape}, {key.shape})")
+    if Sv != Skv or Hv != Hkv:
+        raise ValueError(
+            f"value must have the key's seq and heads (batch, {Skv}, {Hkv}, Dv), got shape {tuple(value.shape)}"
+        )
+    if Hq % Hkv != 0:
+        raise ValueError(
+            f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for GQA/MQA; got key shape {key.shape}"
+        )
+    for name, n in (("query", Sq), ("key", Skv), ("query head_dim", D), ("value head_dim", Dv)):
+        if n == 0:
+            raise ValueError(f"{name} has a zero-sized dimension; shapes {query.shape}, {key.shape}, {value.shape}")
+
+
+def check_block_mask(block_mask, query_shape, Skv):
+    B, Sq, Hq, _ = query_shape
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a BlockMask from flexjax.create_block_mask, got {type(block_mask).__name__}"
+        )
+    Bm, Hm, Qm, KVm = block_mask.shape
+    if (Qm, KVm) != (Sq, Skv):
+        msg = (f"block_mask was built for Q_LEN={Qm}, KV_LEN={KVm} but query has {Sq} tokens and key has {Skv}; "
+               f"rebuild it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})")
+        if Qm == query_shape[2]:
+            # The usual first symptom of PyTorch's (batch, heads, seq, head_dim) layout.
+            msg += (f". The query's axis 2 has {Qm} entries, the mask's Q_LEN: flexjax's layout is "
+                    "(batch, seq, heads, head_dim), as jax.nn.dot_product_attention; if your arrays are "
+                    "(batch, heads, seq, head_dim), pass jnp.swapaxes(x, 1, 2) for query, key and value")
+        raise ValueError(msg)
+    if Bm not in (1, B):
+        raise ValueError(f"block_mask was built for B={Bm} but query has batch {B}; rebuild it with B={B} or B=None")
+    if Hm not in (1, Hq):
+        raise ValueError(
+            f"block_mask was built for H={Hm} but query has {Hq} heads; rebuild it with H={Hq} or H=None"
+        )
+    check_broadcast(block_mask.mask, Bm, Hm, data_shape=(B, Hq))
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``flex_attention(..., return_aux=AuxRequest(...))`` returns.
+
+    Attributes:
+      lse: the log-sum-exp of each row, float32 (B, Hq, Sq) (with ``sinks``, of keys and sinks).
+      max_scores: each row's maximum of the modified, unmasked scores, float32 (B, Hq,
+        Sq), ``-inf`` on rows with no allowed key (for monitoring or clipping logits, as
+        QK-clip does). Not differentiated (its tangent and cotangent are zero).
+    """
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """The auxiliary outputs requested by an ``AuxRequest``; None where not requested."""
+
+    lse: jax.Array | None = None
+    max_scores: jax.Array | None = None
+
+
+def check_sinks(sinks, Hq):
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise TypeError(f"sinks must be a float array of shape ({Hq},) or ({Hq}, n_sinks), got {type(sinks).__name__}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a float array, got dtype {sinks.dtype}")
+    if sinks.ndim not in (1, 2) or sinks.shape[0] != Hq or (sinks.ndim == 2 and sinks.shape[1] == 0):
+        raise ValueError(f"sinks must have shape ({Hq},) or ({Hq}, n_sinks) (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
+def check_outputs(return_lse, return_aux):
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_aux is not None:
+        if not isinstance(return_aux, AuxRequest):
+            raise TypeError(f"return_aux must be a flexjax.AuxRequest or None, got {type(return_aux).__name__}")
+        if return_lse:
+            raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+
+
+def with_sinks(out, lse, sinks):
+    """Output and lse with ``sinks`` joining every row's softmax normalizer (they add no value).
+
+    The kernels normalize by the keys alone (lse_keys); with the sinks the normalizer is
+    lse = logaddexp(lse_keys, logsumexp(sinks)), so the output is the kernels' times
+    exp(lse_keys - lse). Exact, O(B * S * H * D), and differentiated by JAX through the
+    kernels' (out, lse) gradient. A row with no allowed key keeps output 0 and gets lse =
+    logsumexp(sinks).
+    """
+    dt = lse.dtype
+    s = sinks.astype(dt).reshape(sinks.shape[0], -1)
+    sink_lse = jax.nn.logsumexp(s, axis=-1)[None, :, None]
+    total = jnp.logaddexp(lse, sink_lse)
+    factor = jnp.exp(lse - total)  # 0 where lse is -inf
+    out = (out.astype(dt) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
+    return out, total
+
+
+def results(out, lse, max_scores, sinks, return_lse, return_aux):
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None,
+                              max_scores=max_scores if return_aux.max_scores else None)
+    return (out, lse) if return_lse else out
+
+
+def zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)

@@ -1,0 +1,188 @@
+"""The backend contract: what every backend implements, and the data that crosses it.
+
+A backend is a module (``backends/reference.py`` is the smallest complete one) that the
+``Backend`` Protocol describes, registered by name in ``backends/__init__.py``. The API
+layer builds one ``AttentionSpec`` per call, asks ``validate_options`` and ``supports``,
+then runs ``forward_with_residuals`` under a ``custom_jvp`` whose transpose is
+``backward``. Inside a backend, the ways it can serve a call (a C++ kernel, a decode
+path, loops) are ``Implementation`` entries walked in order by ``first_serving``, so the
+choice made for a call can be reported (``flexjax.explain``).
+
+This module imports nothing from flexjax: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+
+class TileLists(NamedTuple):
+    """The eight tile lists of a BlockMask (PyTorch FlexAttention's layout), as the kernels read them.
+
+    All int32, leading dims (Bm, Hm) with 1 where the mask broadcasts. ``*_num`` counts a row's
+    entries; ``*_idx`` holds them ascending, padded with valid indices past the count.
+
+    Attributes:
+      kv_num, kv_idx: per q block, its partial kv blocks (the mask_mod is applied there).
+      full_kv_num, full_kv_idx: per q block, its full kv blocks (no mask_mod).
+      q_num, q_idx, full_q_num, full_q_idx: the transposed lists: per kv block, its q
+        blocks, which the dK/dV pass walks.
+    """
+
+    kv_num: Any
+    kv_idx: Any
+    full_kv_num: Any
+    full_kv_idx: Any
+    q_num: Any
+    q_idx: Any
+    full_q_num: Any
+    full_q_idx: Any
+
+    @property
+    def by_q(self) -> tuple:
+        """(kv_num, kv_idx, full_kv_num, full_kv_idx): the lists the forward and dQ pass walk."""
+        return tuple(self[:4])
+
+    @property
+    def by_kv(self) -> tuple:
+        """(q_num, q_idx, full_q_num, full_q_idx): the lists the dK/dV pass walks."""
+        return tuple(self[4:])
+
+
+class Residuals(NamedTuple):
+    """What a forward keeps for its backward: each row's softmax statistics, (B, Hq, Sq) float32.
+
+    One format for every backend. ``row_max`` is the maximum of the row's modified,
+    allowed scores and ``row_sum`` the sum of ``exp(s - row_max)`` over them (undropped);
+    a row with no allowed key has ``row_max = -inf`` and ``row_sum = 0``. Keeping the two
+    apart (not only lse = max + log(sum)) keeps the backward exact on rows whose scores
+    are huge in magnitude, where float32 lse loses log(sum).
+    """
+
+    row_max: Any
+    row_sum: Any
+
+    @classmethod
+    def from_running(cls, m, l) -> Residuals:
+        """From an online softmax's running max ``m`` and sum ``l`` (any value of ``m`` where ``l == 0``)."""
+        alive = l > 0
+        return cls(jnp.where(alive, m, -jnp.inf), jnp.where(alive, l, 0.0))
+
+    def lse(self):
+        """log-sum-exp of each row: ``row_max + log(row_sum)``, -inf on rows with no allowed key."""
+        alive = self.row_sum > 0
+        return jnp.where(alive, self.row_max + jnp.log(jnp.where(alive, self.row_sum, 1.0)), -jnp.inf)
+
+    def recompute_stats(self):
+        """(max, log of the sum) with 0 for both on rows with no allowed key: the backward's and
+        tangent pass's ``P = exp((s - max) - log_sum)``, finite everywhere (masked pairs are
+        zeroed after)."""
+        alive = self.row_sum > 0
+        return (jnp.where(alive, self.row_max, 0.0),
+                jnp.where(alive, jnp.log(jnp.where(alive, self.row_sum, 1.0)), 0.0))
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend module defines (``flexjax.backends.get_backend(name)`` returns it).
+
+    Shapes: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv); lse and the
+    residuals (B, Hq, Sq). ``spec`` is the call's ``flexjax._api.AttentionSpec``;
+    ``score_consts`` / ``mask_consts`` are the arrays the mods close over; ``lists`` is
+    the BlockMask's ``TileLists``.
+
+    Optional: ``KernelOptions`` (a frozen dataclass, one field per ``kernel_options`` key)
+    and ``SWITCHES`` (further keys that are not fields).
+    """
+
+    NAME: str
+
+    def validate_options(self, spec) -> None:
+        """Raises ``ValueError`` naming the key for an invalid ``kernel_options`` value.
+
+        Keys of other backends are not errors here (the API layer checks names); nothing
+        else raises.
+        """
+
+    def supports(self, spec, q, k, v) -> str | None:
+        """None when the backend serves this call, else the reason, as a sentence.
+
+        Never raises: a failure while deciding (a mod the code generator cannot take, a
+        missing package) is a reason. Called after ``validate_options``.
+        """
+
+    def forward_with_residuals(self, spec, q, k, v, score_consts, mask_consts, lists: TileLists,
+                               dropout_seed=None) -> tuple[jax.Array, jax.Array, Residuals]:
+        """(out (B, Sq, Hq, Dv) in q's dtype, lse float32, ``Residuals``).
+
+        ``dropout_seed`` is the (2,) uint32 seed when ``spec.dropout_rate > 0``.
+        """
+
+    def backward(self, spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists: TileLists,
+                 grad_consts: Sequence[bool], residuals: Residuals, dropout_seed=None) -> tuple:
+        """(dq, dk, dv, dscore): the inputs' gradients in their dtypes and one entry per
+        score_mod captured array, its gradient where ``grad_consts`` flags it, else None.
+        Deterministic (no atomics): the same inputs give the same bits."""
+
+
+class Implementation(NamedTuple):
+    """One way a backend can serve a pass: a name and its own "can you serve this" test.
+
+    ``supports(**context) -> str | None`` (None: it serves) receives the keywords the
+    backend's pass passes to ``first_serving``; it must not raise.
+    """
+
+    name: str
+    supports: Callable[..., str | None]
+
+
+def _guarded(impl: Implementation, context: dict) -> str | None:
+    try:
+        return impl.supports(**context)
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # a flexjax bug: reported as the reason, so the next implementation serves
+        return f"{type(e).__name__} while checking ({e}); this is a flexjax bug, please report it"
+
+
+def first_serving(implementations: Sequence[Implementation], **context) -> tuple[str, list[tuple[str, str]]]:
+    """The name of the first implementation that serves, and (name, reason) for each one passed over.
+
+    The last implementation of every list serves everything it is given (its ``supports``
+    returns None), so a pass always has one.
+    """
+    skipped = []
+    for impl in implementations:
+        reason = _guarded(impl, context)
+        if reason is None:
+            return impl.name, skipped
+        skipped.append((impl.name, reason))
+    raise NotImplementedError("no implementation serves this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+def never_raises(supports: Callable[..., str | None]) -> Callable[..., str | None]:
+    """Wraps a backend's ``supports`` so that it keeps its promise: any exception becomes the reason.
+
+    An invalid option value is ``validate_options``' to raise; here it is a reason like any other.
+    """
+
+    @functools.wraps(supports)
+    def guarded(*args, **kwargs):
+        try:
+            return supports(*args, **kwargs)
+        except NotImplementedError as e:
+            return str(e)
+        except Exception as e:
+            return f"{type(e).__name__} while checking the call ({e}); this is a flexjax bug, please report it"
+
+    return guarded
+
+
+def always(**_) -> None:
+    """``supports`` of an implementation that serves every call its backend accepts."""
+    return None

@@ -1,0 +1,273 @@
+"""The conformance suite: what every backend must do, run once per backend against the dense reference.
+
+Each backend (and each of its templates that runs on a CPU host) is a ``Target`` with
+capability flags; every test here is parametrised over ``TARGETS`` and skips what a target
+declares it cannot do. Per-backend files (test_xla.py, test_pallas.py, test_triton_*.py)
+keep only what is specific to one backend (its tiles, templates, heuristics, limits).
+
+pytest collects this file directly (``python_files`` in pyproject.toml). The triton target
+needs Triton and torch (its interpreter): it runs under ``make test-compile`` (marker
+``triton``) and is skipped by ``make test``. A new backend adds one ``Target`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from catalog import CATALOG, SHAPES, check_case, inputs, loss_and_grads, run_case
+from checks import assert_close
+
+import flexjax
+from flexjax.backends import available_backends, get_backend
+from flexjax.backends._contract import Backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A backend as the suite runs it on a CPU host.
+
+    Attributes:
+      id: the test id.
+      backend: the ``backend=`` name.
+      options: kernel_options selecting the template (None: the host's default).
+      dtypes: the 16-bit dtypes it serves here (float32 always).
+      tiles: kernel_options that split and regroup the BlockMask's blocks ({} where it takes no tiles).
+      cases: the catalog entries of the default run (the whole catalog runs in its own files or slow).
+      low_cases: the catalog entries run in each of ``dtypes``.
+      shape: (B, Sq, Skv, Hq, Hkv, D, Dv) of the catalog tests (GQA, ragged lengths, Dv != D).
+      captured_grads: gradients reach arrays the score_mod closes over, gathered in the kernel.
+      needs: modules that must import (the target is skipped otherwise).
+      marks: pytest marks of every test of this target.
+    """
+
+    id: str
+    backend: str
+    options: dict | None = None
+    dtypes: tuple = (jnp.bfloat16, jnp.float16)
+    tiles: dict = dataclasses.field(default_factory=dict)
+    cases: tuple = ("causal+soft_cap", "sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
+    low_cases: tuple = ("causal+soft_cap",)
+    shape: tuple = SHAPES["gqa_unequal"]
+    captured_grads: bool = True
+    needs: tuple = ()
+    marks: tuple = ()
+
+    def kw(self, extra: dict | None = None) -> dict:
+        options = {**(self.options or {}), **(extra or {})}
+        return {"backend": self.backend, **({"kernel_options": options} if options else {})}
+
+
+def _interpreter_bf16() -> tuple:
+    """bfloat16 for the triton target where Triton's interpreter computes its dots right."""
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
+        return ()
+    from flexjax.backends.triton import _launch
+
+    return (jnp.bfloat16, jnp.float16) if _launch.interpreter_bf16_dot_ok() else (jnp.float16,)
+
+
+TARGETS = (
+    Target("reference", "reference", cases=("causal+soft_cap",)),
+    Target("xla", "xla", tiles={"split": None, "regroup": {"block_q": 128, "block_kv": 64, "bwd_block_q": 64,
+                                                          "bwd_block_kv": 128}},
+           cases=("causal+soft_cap", "sliding_window+alibi")),  # the whole catalog: test_xla.py
+    Target("pallas", "pallas", dtypes=(jnp.bfloat16,),
+           tiles={"split": {"block_q": 32, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 32},
+                  "regroup": {"block_q": 128, "block_kv": 64, "bwd_block_q": 64, "bwd_block_kv": 128}}),
+    Target("pallas_tpu", "pallas", {"target": "tpu", "interpret": True}, dtypes=(),
+           cases=("sliding_window+alibi",)),
+    Target("triton", "triton", dtypes=(), needs=("triton", "torch"), marks=(pytest.mark.triton,),
+           tiles={"split": {"block_q": 32, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 32},
+                  "regroup": {"block_q": 128, "block_kv": 128, "bwd_block_q": 64, "bwd_block_kv": 128}},
+           cases=tuple(c.name for c in CATALOG), low_cases=tuple(c.name for c in CATALOG),
+           shape=(1, 130, 200, 4, 2, 16, 8)),  # batch 1: the interpreter runs every tile op in NumPy
+)
+_BF16 = _interpreter_bf16()
+TARGETS = tuple(dataclasses.replace(t, dtypes=_BF16) if t.id == "triton" else t for t in TARGETS)
+
+
+def _params(select=lambda t: True, values=None, slow=lambda t: False):
+    """pytest params over the targets ``select`` keeps, crossed with ``values`` when given;
+    those ``slow`` picks run under ``make test-all`` (the default suite's time budget)."""
+    out = []
+    for t in TARGETS:
+        if not select(t):
+            continue
+        missing = [m for m in t.needs if importlib.util.find_spec(m) is None]
+        marks = list(t.marks) + ([pytest.mark.skip(reason=f"needs {', '.join(missing)}")] if missing else [])
+        marks += [pytest.mark.slow] if slow(t) else []
+        for value, vid in (values(t) if values else [(None, None)]):
+            args = (t,) if values is None else (t, value)
+            out.append(pytest.param(*args, id=t.id if vid is None else f"{t.id}-{vid}", marks=marks))
+    return out
+
+
+# -- the contract ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", available_backends())
+def test_backend_implements_the_protocol(name):
+    backend = get_backend(name)
+    assert isinstance(backend, Backend), f"{name} lacks part of backends._contract.Backend"
+    assert not hasattr(backend, "row_stats") and not hasattr(backend, "unsupported_reason")
+
+
+@pytest.mark.parametrize("target", _params())
+def test_supports_answers_without_raising(target):
+    """supports answers None or a sentence for any call, a crashing mod included; invalid option
+    values are validate_options' ValueError."""
+    from flexjax._api import AttentionSpec
+    from flexjax._trace import trace_mod
+
+    def crashing(score, b, h, q_idx, kv_idx):
+        return score + jnp.linalg.inv(jnp.eye(2) * q_idx)[0, 0]  # not a primitive any generator takes
+
+    backend = get_backend(target.backend)
+    q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+    spec = AttentionSpec(score=trace_mod(crashing, "score", arg_name="score_mod").static(), mask=None, scale=0.25, q_len=32, kv_len=32,
+                         block_size=(16, 16), kernel_options=tuple(sorted((target.options or {}).items())))
+    reason = backend.supports(spec, q, q, q)
+    assert reason is None or isinstance(reason, str)
+    if target.backend in ("xla", "pallas", "triton"):
+        bad = dataclasses.replace(spec, kernel_options=(("block_q", -3),))
+        with pytest.raises(ValueError, match="block_q"):
+            backend.validate_options(bad)
+
+
+@pytest.mark.parametrize("target", _params())
+def test_explain_names_what_runs(target):
+    q, k, v, _ = inputs(target.shape, jnp.float32)
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, target.shape[1], target.shape[2], block_size=64)
+    kw = target.kw()
+    try:
+        report = flexjax.explain(q, k, v, flexjax.mods.soft_cap(20.0), bm, **kw)
+    except NotImplementedError as e:
+        pytest.skip(f"{target.id} does not serve here: {e}")
+    assert report.backend == target.backend
+    assert report.forward and report.backward
+    assert target.backend in str(report)
+
+
+# -- numerics against the reference ----------------------------------------------------------
+
+@pytest.mark.parametrize("target,name", _params(values=lambda t: [(c, c) for c in t.cases]))
+def test_catalog(target, name):
+    """out, lse and the gradients of q, k, v and the captured arrays, float32."""
+    check_case(target.backend, name, target.shape, jnp.float32, target.options, 64)
+
+
+@pytest.mark.parametrize("target,case", _params(values=lambda t: [((d, c), f"{jnp.dtype(d).name}-{c}")
+                                                                  for d in t.dtypes for c in t.low_cases]))
+def test_low_precision(target, case):
+    dtype, name = case
+    check_case(target.backend, name, target.shape, dtype, target.options, 64)
+
+
+@pytest.mark.parametrize("target,shape", _params(select=lambda t: t.backend != "reference",
+                                                 values=lambda t: [("mha", "mha"), ("mqa_ragged", "mqa")]))
+def test_heads(target, shape):
+    """MHA and MQA with ragged lengths (GQA is the default shape)."""
+    check_case(target.backend, "causal+soft_cap", SHAPES[shape], jnp.float32, target.options, 64)
+
+
+@pytest.mark.parametrize("target,tiles", _params(select=lambda t: bool(t.tiles),
+                                                 values=lambda t: [(o, n) for n, o in t.tiles.items() if o]))
+def test_tile_options(target, tiles):
+    """Compute tiles that split the BlockMask's blocks and tiles that regroup them."""
+    options = {**(target.options or {}), **tiles}
+    check_case(target.backend, "sliding_window+alibi", target.shape, jnp.float32, options, 64)
+
+
+@pytest.mark.parametrize("target", _params())
+def test_fully_masked_rows_are_zero_with_finite_grads(target):
+    out, lse, grads = check_case(target.backend, "fully_masked_rows", SHAPES["mha"], jnp.float32, target.options)
+    assert np.all(np.asarray(out[:, :10]) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :10])))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("target", _params(select=lambda t: t.backend != "reference",
+                                           slow=lambda t: t.id == "pallas_tpu"))
+def test_deterministic(target):
+    """The same call twice gives the same bits (no atomics in any backward)."""
+    a = run_case(target.backend, "prefix_lm+relative_bias", SHAPES["mqa_ragged"], kernel_options=target.options)
+    b = run_case(target.backend, "prefix_lm+relative_bias", SHAPES["mqa_ragged"], kernel_options=target.options)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("target", _params())
+def test_huge_scores(target):
+    """Rows of scores near -1e6: the backward recomputes P from each row's max and sum."""
+    shape = (1, 40, 40, 2, 2, 16, 16)
+    q, k, v, do = inputs(shape, jnp.float32)
+
+    def attention(q, k, v, params, **kw):
+        return flexjax.flex_attention(q, k, v, lambda s, b, h, qi, ki: s - 1e6 + qi, return_lse=True, **kw)
+
+    got = loss_and_grads(attention, q, k, v, do, {}, **target.kw())
+    ref = loss_and_grads(attention, q, k, v, do, {}, backend="reference")
+    assert_close("huge", got, ref, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("target", _params(select=lambda t: t.captured_grads))
+def test_captured_row_and_column_grads(target):
+    """Float captured arrays read per head, per (b, q) and per (h, kv) get their gradients."""
+    shape = (1, 70, 100, 4, 2, 16, 8)
+    B, Sq, Skv, Hq = shape[:4]
+    q, k, v, do = inputs(shape, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    params = {"slope": 1.0 + 0.1 * jax.random.normal(keys[0], (Hq,)),
+              "bias_q": jax.random.normal(keys[1], (B, Sq)), "bias_kv": jax.random.normal(keys[2], (Hq, Skv))}
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, Sq, Skv, block_size=32)
+
+    def attention(q, k, v, p, **kw):
+        def biased(score, b, h, q_idx, kv_idx):
+            return score * p["slope"][h] + p["bias_q"][b, q_idx] + jnp.tanh(p["bias_kv"][h, kv_idx])
+
+        return flexjax.flex_attention(q, k, v, biased, bm, return_lse=True, **kw)
+
+    got = loss_and_grads(attention, q, k, v, do, params, **target.kw())
+    ref = loss_and_grads(attention, q, k, v, do, params, backend="reference")
+    assert_close("rows_cols", got, ref, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("target", _params(select=lambda t: t.id != "pallas_tpu"))  # Mosaic: no in-kernel gather
+def test_bool_table_mask(target):
+    """A mask_mod reading a captured bool array at (q_idx, kv_idx)."""
+    shape = (1, 70, 50, 2, 1, 8, 16)
+    Sq, Skv = shape[1:3]
+    q, k, v, do = inputs(shape, jnp.float32)
+    table = jax.random.bernoulli(jax.random.PRNGKey(5), 0.7, (Sq, Skv))
+    bm = flexjax.create_block_mask(lambda b, h, q_idx, kv_idx: table[q_idx, kv_idx], None, None, Sq, Skv,
+                                   block_size=32)
+
+    def attention(q, k, v, params, **kw):
+        return flexjax.flex_attention(q, k, v, block_mask=bm, return_lse=True, **kw)
+
+    got = loss_and_grads(attention, q, k, v, do, {}, **target.kw())
+    ref = loss_and_grads(attention, q, k, v, do, {}, backend="reference")
+    assert_close("bool_table", got, ref, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("target", _params())
+def test_traced_block_mask_under_jit(target):
+    """A document mask built inside jit from run-time ids."""
+    S = 96
+    q, k, v, _ = inputs((1, S, S, 2, 2, 16, 16), jnp.float32)
+
+    def attention(kw):
+        @jax.jit
+        def f(q, k, v, ids):
+            bm = flexjax.create_block_mask(flexjax.masks.document(ids), None, None, S, S, block_size=32)
+            return flexjax.flex_attention(q, k, v, block_mask=bm, **kw)
+
+        return f
+
+    ids = jnp.asarray(np.searchsorted([20, 70], np.arange(S), side="right"), jnp.int32)
+    np.testing.assert_allclose(attention(target.kw())(q, k, v, ids), attention({"backend": "reference"})(q, k, v, ids),
+                               atol=2e-5, rtol=2e-5)
