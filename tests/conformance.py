@@ -128,8 +128,9 @@ def test_supports_answers_without_raising(target):
 
     backend = get_backend(target.backend)
     q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
-    spec = AttentionSpec(score=trace_mod(crashing, "score", arg_name="score_mod").static(), mask=None, scale=0.25, q_len=32, kv_len=32,
-                         block_size=(16, 16), kernel_options=tuple(sorted((target.options or {}).items())))
+    score = trace_mod(crashing, "score", arg_name="score_mod").static()
+    spec = AttentionSpec(score=score, mask=None, scale=0.25, q_len=32, kv_len=32, block_size=(16, 16),
+                         kernel_options=tuple(sorted((target.options or {}).items())))
     reason = backend.supports(spec, q, q, q)
     assert reason is None or isinstance(reason, str)
     if target.backend in ("xla", "pallas", "triton"):
