@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
 from ._contract import TileLists
@@ -76,65 +75,3 @@ def coarse_lists(lists, block_size, tq, tk, q_len, kv_len):
     # the coarse lists need no more, so compact lists stay compact.
     return lists_from_states(coarse, (min(nkc, fq * (lists.kv_idx.shape[-1] + lists.full_kv_idx.shape[-1])),
                                       min(nqc, fk * (lists.q_idx.shape[-1] + lists.full_q_idx.shape[-1]))))
-
-
-# Rows whose max score is at least this large in magnitude are recomputed in the kernels'
-# backward from their max and sum rather than from lse: in float32, lse = max + log(sum)
-# keeps log(sum) only to ulp(max) (at 2**12, 2.4e-4 relative in P; at 1e30, not at all).
-HUGE_ROW = 2.0**12
-
-
-def backward_rows(out, lse, dout, dlse, residuals):
-    """Per-row inputs of kernels that recompute P from lse: (lse, delta, dO), float32.
-
-    ``residuals`` is each row's (max, sum), (B, Hq, Sq). delta = rowsum(dO * O) - dlse (a
-    cotangent on lse adds P * dlse to dS). lse -inf (no allowed key) becomes 0, so exp(s -
-    lse) cannot overflow before the mask zeroes it. Rows with a huge max (``HUGE_ROW``) get
-    their max in lse's place, which gives P * sum, and dO and delta divided by the sum: dV =
-    P^T dO and dS = P (dP - delta) come out exact.
-    """
-    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - dlse.astype(jnp.float32)
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    row_max, row_sum = residuals
-    huge = (jnp.abs(row_max) >= HUGE_ROW) & (row_sum > 0)
-    inv_sum = jnp.where(huge, 1.0 / jnp.where(huge, row_sum, 1.0), 1.0)
-    lse_safe = jnp.where(huge, row_max, lse_safe)
-    dout = inv_sum.transpose(0, 2, 1)[..., None] * dout.astype(jnp.float32)
-    return lse_safe, delta * inv_sum, dout
-
-
-# kernel_options of the kernel backends (pallas, triton): tiles and Triton launch parameters.
-TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
-LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
-
-
-def check_tiles_and_launch(opts: dict, block_size) -> None:
-    """Tiles and launch parameters are positive ints; a tile divides the BlockMask's block or is a multiple of it.
-
-    Raises:
-      ValueError: naming the key.
-    """
-    for f in TILE_FIELDS + LAUNCH_FIELDS:
-        val = opts.get(f)
-        if val is None:
-            continue
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
-            raise ValueError(f"kernel_options[{f!r}] must be a positive int, got {val!r}")
-        if f in TILE_FIELDS:
-            base = block_size[0] if f.endswith("block_q") else block_size[1]
-            if val % base and base % val:
-                raise ValueError(
-                    f"kernel_options[{f!r}]={val} must divide the BlockMask's block ({base}) or be a "
-                    f"multiple of it")
-
-
-def dropout_args(spec, dropout_seed) -> dict:
-    """The kernel templates' dropout keywords (pallas, triton): none at rate 0, so the
-    kernels are then the plain ones; else ``rate`` and the (2,) uint32 ``seed``."""
-    rate = spec.dropout_rate
-    if not rate:
-        return {}
-    if dropout_seed is None:
-        raise ValueError(f"dropout_rate={rate} needs dropout_seed, a (2,) uint32 array")
-    return {"rate": rate, "seed": jnp.asarray(dropout_seed, jnp.uint32).reshape(2)}

@@ -12,14 +12,23 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args
-from .._contract import Implementation, Residuals, always, first_serving, never_raises
+from .._contract import Implementation, always, first_serving, never_raises
+from .._frontend import (
+    TILE_FIELDS,
+    backward_inputs,
+    backward_results,
+    basic_reason,
+    check_options,
+    dropout_args,
+    fill,
+    forward_results,
+    pow2_dim,
+    prepare,
+)
+from .._layout import Mods, prologues
 from . import _decode, _gpu, _tpu
-from ._layout import geometry, pad_axis, prologues, score_const_grads
-from ._tile import Mods
 
 NAME = "pallas"
 
@@ -59,7 +68,6 @@ class KernelOptions:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_TILE_FIELDS, _LAUNCH_FIELDS = TILE_FIELDS, LAUNCH_FIELDS
 
 
 # sm_90 tiles and launch parameters per (16-bit or float32, padded head dim): (fwd block_q,
@@ -135,9 +143,7 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
     if interpret is None:
         interpret = target is None
     default = heuristics("interpret" if interpret else target, spec.block_size, head_dim, dtype)
-    values = {f: opts[f] if opts.get(f) is not None else getattr(default, f) for f in _FIELDS}
-    values["target"], values["interpret"] = target, bool(interpret)
-    return KernelOptions(**values)
+    return fill(KernelOptions, spec, default, target=target, interpret=bool(interpret))
 
 
 def _compile_target(o: KernelOptions) -> str:
@@ -150,41 +156,26 @@ def _mods(spec, o: KernelOptions) -> Mods:
                 mask=compile_mod(spec.mask, t) if spec.mask is not None else None)
 
 
-def _check_options(opts: dict, block_size):
-    check_tiles_and_launch(opts, block_size)
-    target = opts.get("target")
-    if target is not None and target not in _TARGETS:
-        raise ValueError(f"kernel_options['target'] must be one of {_TARGETS} or None, got {target!r}")
-    interpret = opts.get("interpret")
-    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
-        raise ValueError(f"kernel_options['interpret'] must be a bool, got {interpret!r}")
-
-
 def validate_options(spec) -> None:
     """Raises ValueError for an invalid value of one of this backend's kernel_options."""
-    _check_options(spec.options, spec.block_size)
+    check_options(spec.options, spec.block_size, _TARGETS)
 
 
 @never_raises
 def supports(spec, q, k, v) -> str | None:
     """None if the pallas backend can serve this call, else why not (``validate_options`` has run)."""
-    opts = spec.options
-    unknown = sorted(set(opts) - set(_FIELDS))
-    if unknown:
-        return f"unknown kernel_options {unknown} for the pallas backend; it takes {list(_FIELDS)}"
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        return f"the pallas backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
-    if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
-        return f"the pallas backend has no kernel for platform {jax.default_backend()!r}"
+    basic = basic_reason(NAME, spec, q, _FIELDS, _host_target())
+    if basic is not None:
+        return basic
     o = _resolve(spec, q.shape[-1], q.dtype)
     if o.target == "cuda" and not o.interpret:
-        for f in _TILE_FIELDS:
+        for f in TILE_FIELDS:
             val = getattr(o, f)
             if val < 16 or val & (val - 1):
                 return (f"Triton tiles must be powers of two >= 16, got {f}={val}; set kernel_options "
                         f"{f!r} or build the BlockMask with block_size >= 16")
     if o.target == "tpu":
-        for f in _TILE_FIELDS:
+        for f in TILE_FIELDS:
             base = spec.block_size[0] if f.endswith("block_q") else spec.block_size[1]
             if getattr(o, f) % base:
                 return (f"TPU tiles must be multiples of the BlockMask's block ({base}), got {f}={getattr(o, f)}; "
@@ -194,7 +185,7 @@ def supports(spec, q, k, v) -> str | None:
         return ("Mosaic TPU cannot load float16 vectors (TPU v5e: 'Invalid vector type for load'); pass "
                 "bfloat16 or float32 inputs, or use backend='xla'")
     if o.target == "tpu" and not o.interpret:
-        for f in _TILE_FIELDS:
+        for f in TILE_FIELDS:
             val, unit = getattr(o, f), (128 if "kv" in f else 8)
             if val % unit:
                 return (f"Mosaic TPU tiles need {'kv' if unit == 128 else 'q'} sizes that are multiples of "
@@ -208,14 +199,8 @@ def supports(spec, q, k, v) -> str | None:
 
 def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
-    g, lists = geometry(spec, q, k, lists, tq, tk)
-    # Triton tiles need power-of-two head dims; zero columns change no dot product.
-    pad_d = (lambda n: max(16, 1 << (n - 1).bit_length())) if o.target == "cuda" else (lambda n: n)
-    D, Dv = pad_d(q.shape[-1]), pad_d(v.shape[-1])
-    qp = pad_axis(pad_axis(q, 1, g.sq), 3, D)
-    kp = pad_axis(pad_axis(k, 1, g.skv), 3, D)
-    vp = pad_axis(pad_axis(v, 1, g.skv), 3, Dv)
-    return g, lists, qp, kp, vp
+    # Triton tiles need power-of-two head dims (``pow2_dim``); Mosaic takes the head dim as it is.
+    return prepare(spec, q, k, v, lists, tq, tk, pow2_dim if o.target == "cuda" else (lambda n: n))
 
 
 def _decode_reason(spec, q, k, v, lists, **_) -> str | None:
@@ -257,10 +242,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
                                                  target=o.target, interpret=o.interpret,
                                                  warps=o.num_warps, stages=o.num_stages,
                                                  **dropout_args(spec, dropout_seed))
-    Sq = q.shape[1]
-    row_max, row_sum = row_max[:, :, :Sq, 0], row_sum[:, :, :Sq, 0]
-    res = Residuals.from_running(row_max, row_sum)
-    return out[:, :Sq, :, : v.shape[-1]], res.lse(), res
+    return forward_results(q, v, out, row_max[..., 0], row_sum[..., 0])
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
@@ -268,28 +250,18 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """dq, dk, dv and the score_mod's captured-array gradients.
 
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``; ``dropout_seed`` the
-    forward's (the kernels regenerate its keep mask). Rows with a huge
-    max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which
-    gives P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS =
-    P (dP - delta) come out exact.
+    forward's (the kernels regenerate its keep mask). The per-row inputs and the exactness of
+    rows with a huge max are ``_frontend.backward_rows``'.
     """
     o = _resolve(spec, q.shape[-1], q.dtype)
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
-    B, Sq, Hq, D = q.shape
-    Dv = v.shape[-1]
-    lse_safe, delta, dout = backward_rows(out, lse, dout, dlse, residuals)
-    delta = pad_axis(delta, 2, g.sq)[..., None]
-    lse_safe = pad_axis(lse_safe, 2, g.sq)[..., None]
-    dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
-    dq, dk, dv, d_rows, d_cols, d_arrays = _template(o).backward(
-        g, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
+    lse_safe, delta, dop = backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
+    grads = _template(o).backward(
+        g, mods, spec.scale, qp, kp, vp, dop, lse_safe[..., None], delta[..., None], lists, s_pro, m_pro,
         target=o.target, interpret=o.interpret, warps=o.bwd_num_warps, stages=o.bwd_num_stages,
         **dropout_args(spec, dropout_seed))
     # The kernels produce every float array's partial gradients; pulling them back to the
     # captured arrays is skipped when none is differentiated.
-    wanted = any(grad_consts)
-    dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if wanted
-              else tuple(None for _ in score_consts))
-    return (dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore)
+    return backward_results(spec, q, v, g, mods.score, score_consts, any(grad_consts), grads)

@@ -40,9 +40,9 @@ from jax.experimental.pallas import tpu as pltpu
 from .._contract import Residuals
 from .._decode import DECODE_MAX_Q
 from .._decode import serves as xla_serves
+from .._layout import Mods, geometry, pad_axis, prologues
 from ._gpu import _compiler_params, _div, _pro_refs, _Program, _rem, _take, _uses, _whole
-from ._layout import geometry, pad_axis, prologues
-from ._tile import ModInputs, Mods, Tile, finish, forward_tile, tile_indices
+from ._tile import ModInputs, Tile, finish, forward_tile, tile_indices
 
 # Programs the kv tiles of one row are split over (flash-decoding's split-KV).
 _CHUNKS = 4

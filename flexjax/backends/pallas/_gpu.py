@@ -20,11 +20,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._layout import Geom, Prologue, is_float
+from .._layout import Geom, Mods, Prologue, is_float
 from ._tile import (
     Dropout,
     ModInputs,
-    Mods,
     backward_tile,
     dot,
     dot_nt,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ... import _dropout
-from ..._modcompiler import CompiledMod
+from .._layout import Mods
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -29,14 +29,6 @@ def dot_nt(a, b):
 
 def dot_tn(a, b):
     return dot(a, b, _TN)
-
-
-@dataclasses.dataclass(frozen=True)
-class Mods:
-    """The compiled score_mod and mask_mod of one call (either may be None)."""
-
-    score: CompiledMod | None
-    mask: CompiledMod | None
 
 
 @dataclasses.dataclass

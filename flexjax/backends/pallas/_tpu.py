@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._layout import DiagWindow, Geom, Prologue, diag_window, is_float
-from ._tile import Dropout, ModInputs, Mods, backward_tile, dot, dot_tn, finish, forward_tile, tile_indices
+from .._layout import DiagWindow, Geom, Mods, Prologue, diag_window, is_float
+from ._tile import Dropout, ModInputs, backward_tile, dot, dot_tn, finish, forward_tile, tile_indices
 
 
 def _lists_at(g: Geom, refs, b, h, row, t):

@@ -18,10 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .._common import LAUNCH_FIELDS, TILE_FIELDS, backward_rows, check_tiles_and_launch, dropout_args
-from .._contract import Implementation, Residuals, always, never_raises
-from ..pallas._layout import geometry, pad_axis, prologues, score_const_grads
-from ..pallas._tile import Mods
+from .._contract import Implementation, always, never_raises
+from .._frontend import (
+    TILE_FIELDS,
+    backward_inputs,
+    backward_results,
+    basic_reason,
+    check_options,
+    dropout_args,
+    fill,
+    forward_results,
+    pow2_dim,
+    prepare,
+)
+from .._layout import Mods, prologues
 from . import _codegen, _kernels, _launch, _templates, _versions
 
 NAME = "triton"
@@ -70,7 +80,6 @@ class KernelOptions:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_TILE_FIELDS, _LAUNCH_FIELDS = TILE_FIELDS, LAUNCH_FIELDS
 
 # Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
 # stages, bwd block_q, bwd block_kv, warps, stages), each chosen from the compile suite
@@ -133,11 +142,6 @@ _SM80 = {
 _AUTOTUNE = ((4, 2), (4, 3), (8, 2), (8, 3))
 
 
-def _pad_dim(n: int) -> int:
-    """Triton tiles need power-of-two sizes; tl.dot at least 16. Zero columns change no dot product."""
-    return max(16, 1 << (int(n) - 1).bit_length())
-
-
 # Backward kv tiles under dropout, where the table's row has no registers left for the hash:
 # bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and 92+132 B
 # (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
@@ -152,7 +156,7 @@ def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: i
     the 256 row. Each table tile is fitted to the BlockMask's block by ``_fit``.
     """
     bq, bkv = block_size
-    d = min(max(64, _pad_dim(head_dim)), 256)
+    d = min(max(64, pow2_dim(head_dim)), 256)
     table = _SM90 if compute_capability >= 90 else _SM80
     fq, fk, fw, fs, bq_, bk_, bw, bs = table[(min(jnp.dtype(dtype).itemsize, 4), d)]
     return KernelOptions(target="cuda", interpret=False, compute_capability=int(compute_capability),
@@ -220,29 +224,20 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
                                 num_stages=1, bwd_num_warps=4, bwd_num_stages=1)
     else:
         default = heuristics(cc, spec.block_size, head_dim, dtype)
-        key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, _pad_dim(head_dim)), 256))
+        key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, pow2_dim(head_dim)), 256))
         if spec.dropout_rate > 0 and key in _DROPOUT_BWD_KV:
             default = dataclasses.replace(default, bwd_block_kv=_fit(_DROPOUT_BWD_KV[key], spec.block_size[1]))
-    values = {f: opts[f] if opts.get(f) is not None else getattr(default, f) for f in _FIELDS}
-    values.update(target=target, interpret=bool(interpret), compute_capability=int(cc),
-                  autotune=bool(opts.get("autotune")))
-    return KernelOptions(**values)
+    return fill(KernelOptions, spec, default, target=target, interpret=bool(interpret), compute_capability=int(cc),
+                autotune=bool(opts.get("autotune")))
 
 
 def _check_options(opts: dict, block_size):
-    check_tiles_and_launch(opts, block_size)
-    for f in _TILE_FIELDS:
+    check_options(opts, block_size, _TARGETS, bools=("interpret", "autotune"))
+    for f in TILE_FIELDS:
         val = opts.get(f)
         if val is not None and val % 16:
             raise ValueError(f"kernel_options[{f!r}] must be a multiple of 16 (Triton's tl.dot takes tiles of at "
                              f"least 16), got {val}")
-    target = opts.get("target")
-    if target is not None and target not in _TARGETS:
-        raise ValueError(f"kernel_options['target'] must be one of {_TARGETS} or None, got {target!r}")
-    for f in ("interpret", "autotune"):
-        val = opts.get(f)
-        if val is not None and not isinstance(val, (bool, np.bool_)):
-            raise ValueError(f"kernel_options[{f!r}] must be a bool, got {val!r}")
     cc = opts.get("compute_capability")
     if cc is not None and (isinstance(cc, bool) or not isinstance(cc, (int, np.integer)) or cc < 80):
         raise ValueError(f"kernel_options['compute_capability'] must be an int >= 80 such as 80 (sm_80) or 90 "
@@ -280,14 +275,9 @@ def validate_options(spec) -> None:
 @never_raises
 def supports(spec, q, k, v) -> str | None:
     """None if the triton backend can serve this call, else why not (``validate_options`` has run)."""
-    opts = spec.options
-    unknown = sorted(set(opts) - set(_FIELDS))
-    if unknown:
-        return f"unknown kernel_options {unknown} for the triton backend; it takes {list(_FIELDS)}"
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        return f"the triton backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
-    if not opts.get("target") and _host_target() is None and jax.default_backend() != "cpu":
-        return f"the triton backend has no kernel for platform {jax.default_backend()!r}; it runs on NVIDIA GPUs"
+    basic = basic_reason(NAME, spec, q, _FIELDS, _host_target(), "; it runs on NVIDIA GPUs")
+    if basic is not None:
+        return basic
     o = _resolve(spec, q.shape[-1], q.dtype)
     if not o.interpret and o.target is None:
         return ("kernel_options['interpret']=False needs GPU kernels: pass kernel_options={'target': 'cuda'} to lower "
@@ -337,13 +327,8 @@ def _run(spec, o: KernelOptions, backward: bool):
 
 def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
-    g, lists = geometry(spec, q, k, lists, tq, tk)
-    g = dataclasses.replace(g, tq=_kernel_tile(tq), tk=_kernel_tile(tk))
-    D, Dv = _pad_dim(q.shape[-1]), _pad_dim(v.shape[-1])
-    qp = pad_axis(pad_axis(q, 1, g.sq), 3, D)
-    kp = pad_axis(pad_axis(k, 1, g.skv), 3, D)
-    vp = pad_axis(pad_axis(v, 1, g.skv), 3, Dv)
-    return g, lists, qp, kp, vp
+    g, lists, qp, kp, vp = prepare(spec, q, k, v, lists, tq, tk, pow2_dim)
+    return dataclasses.replace(g, tq=_kernel_tile(tq), tk=_kernel_tile(tk)), lists, qp, kp, vp
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
@@ -358,10 +343,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
                                              _run(spec, o, backward=False), **dropout_args(spec, dropout_seed))
-    Sq = q.shape[1]
-    row_max, row_sum = row_max[:, :, :Sq], row_sum[:, :, :Sq]
-    res = Residuals.from_running(row_max, row_sum)
-    return out[:, :Sq, :, : v.shape[-1]], res.lse(), res
+    return forward_results(q, v, out, row_max, row_sum)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
@@ -369,26 +351,16 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """dq, dk, dv and the score_mod's captured-array gradients.
 
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``; ``dropout_seed`` the
-    forward's (the kernels regenerate its keep mask). Rows with a huge
-    max (see ``_common.HUGE_ROW``) run the kernels with their max in lse's place, which gives
-    P * sum, and with dO and delta divided by the sum: dV = P^T dO and dS = P (dP - delta)
-    come out exact. The row / column / array-read gradients are only reduced when a
-    captured float array is differentiated (``grad_consts``).
+    forward's (the kernels regenerate its keep mask). The per-row inputs and the exactness of
+    rows with a huge max are ``_frontend.backward_rows``'. The row / column / array-read
+    gradients are only reduced when a captured float array is differentiated (``grad_consts``).
     """
     o = _resolve(spec, q.shape[-1], q.dtype)
     wanted = any(grad_consts)
     mods, plan, source = _plan(spec.score, spec.mask, wanted, bool(spec.dropout_rate))
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
-    B, Sq, Hq, D = q.shape
-    Dv = v.shape[-1]
-    lse_safe, delta, dout = backward_rows(out, lse, dout, dlse, residuals)
-    delta = pad_axis(delta, 2, g.sq)
-    lse_safe = pad_axis(lse_safe, 2, g.sq)
-    dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, g.sq), 3, vp.shape[-1])
-    dq, dk, dv, d_rows, d_cols, d_arrays = _kernels.backward(
-        plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
-        _run(spec, o, backward=True), **dropout_args(spec, dropout_seed))
-    dscore = (score_const_grads(mods.score, score_consts, g, d_rows, d_cols, d_arrays) if plan.grads
-              else tuple(None for _ in score_consts))
-    return dq[:, :Sq, :, :D], dk[:, : spec.kv_len, :, :D], dv[:, : spec.kv_len, :, :Dv], dscore
+    lse_safe, delta, dop = backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
+    grads = _kernels.backward(plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
+                              _run(spec, o, backward=True), **dropout_args(spec, dropout_seed))
+    return backward_results(spec, q, v, g, mods.score, score_consts, plan.grads, grads)

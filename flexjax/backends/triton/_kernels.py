@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ... import _dropout
-from ..pallas._layout import Geom, Prologue, is_float
+from .._layout import Geom, Prologue, is_float
 from . import _templates
 from ._launch import launch
 from ._templates import Plan

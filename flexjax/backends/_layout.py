@@ -7,10 +7,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..._modcompiler import CompiledMod
-from .._common import coarse_lists
-from .._contract import TileLists
-from ._tile import Mods
+from .._modcompiler import CompiledMod
+from ._common import coarse_lists
+from ._contract import TileLists
+
+
+@dataclasses.dataclass(frozen=True)
+class Mods:
+    """The compiled score_mod and mask_mod of one call (either may be None)."""
+
+    score: CompiledMod | None
+    mask: CompiledMod | None
 
 
 @dataclasses.dataclass(frozen=True)
