@@ -15,6 +15,7 @@ import numpy as np
 
 from ._block_mask import BlockMask, check_broadcast
 from ._trace import StaticMod
+from .backends import _softmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,19 +162,19 @@ def check_outputs(return_lse, return_aux):
 def with_sinks(out, lse, sinks):
     """Output and lse with ``sinks`` joining every row's softmax normalizer (they add no value).
 
-    The kernels normalize by the keys alone (lse_keys); with the sinks the normalizer is
-    lse = logaddexp(lse_keys, logsumexp(sinks)), so the output is the kernels' times
-    exp(lse_keys - lse). Exact, O(B * S * H * D), and differentiated by JAX through the
-    kernels' (out, lse) gradient. A row with no allowed key keeps output 0 and gets lse =
-    logsumexp(sinks).
+    The kernels normalize by the keys alone (lse_keys); the sinks are one more part of each
+    row's softmax, with lse logsumexp(sinks) and output 0, merged in by
+    ``backends._softmax.merge_normalized``: the normalizer becomes lse = logaddexp(lse_keys,
+    logsumexp(sinks)) and the output the kernels' times exp(lse_keys - lse). Exact,
+    O(B * S * H * D), and differentiated by JAX through the kernels' (out, lse) gradient. A
+    row with no allowed key keeps output 0 and gets lse = logsumexp(sinks).
     """
     dt = lse.dtype
     s = sinks.astype(dt).reshape(sinks.shape[0], -1)
-    sink_lse = jax.nn.logsumexp(s, axis=-1)[None, :, None]
-    total = jnp.logaddexp(lse, sink_lse)
-    factor = jnp.exp(lse - total)  # 0 where lse is -inf
-    out = (out.astype(dt) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
-    return out, total
+    sink_lse = jnp.broadcast_to(jax.nn.logsumexp(s, axis=-1)[None, :, None], lse.shape)
+    out_all, total = _softmax.merge_normalized(out, lse, jnp.zeros((), dt), sink_lse,
+                                               lambda w: jnp.swapaxes(w, 1, 2)[..., None])
+    return out_all.astype(out.dtype), total
 
 
 def results(out, lse, max_scores, sinks, return_lse, return_aux):

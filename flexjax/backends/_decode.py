@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from .._block_mask import EMPTY, FULL, PARTIAL, _states_from_lists, lists_from_states
-from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, row_init
+from . import _softmax
+from ._common import acc_dtype, allowed, apply_score_mod
 from ._contract import Residuals
 
 # Queries per sequence up to which the decode path runs. Measured on the 2-core CPU (B=4,
@@ -187,26 +188,17 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
         kv_ok = live[..., None, None] & (kv_idx >= first) & (kv_idx < jnp.minimum(first + w, spec.kv_len))
         kv_c = jnp.minimum(kv_idx, spec.kv_len - 1)
         s = apply_score_mod(spec, score_consts, s, b_idx, h_idx, q_idx, kv_c)
-        s = jnp.where(allowed(spec, mask_consts, b_idx, h_idx, q_idx, kv_c, True, kv_ok), s, MASK_VALUE)
-        # m starts at the lowest finite value (see _common.MASK_VALUE): no NaN on empty rows.
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(-1)
+        s = jnp.where(allowed(spec, mask_consts, b_idx, h_idx, q_idx, kv_c, True, kv_ok), s, _softmax.MASK_VALUE)
+        m_new, l, p, alpha = _softmax.step(m, l, s)
         pv = jnp.einsum(f"bhcrk,{spec_k}->bhcrd", p, vt.astype(dt))
         return m_new, l, acc * alpha[..., None] + pv, kv
 
-    carry = (jnp.full((B, Hkv, C, R), row_init(dt), dt), jnp.zeros((B, Hkv, C, R), dt),
-             jnp.zeros((B, Hkv, C, R, Dv), dt))
+    carry = (*_softmax.start((B, Hkv, C, R), dt), jnp.zeros((B, Hkv, C, R, Dv), dt))
     if page_table is not None:
         ps = k.shape[1]
         k, v = k.reshape((-1,) + k.shape[2:]), v.reshape((-1,) + v.shape[2:])
     m, l, acc, _ = jax.lax.fori_loop(0, steps, body, carry + ((k, v),))
-    # Merge the chunks by their log-sum-exp.
-    m_all = m.max(2)
-    scale = jnp.exp(m - m_all[:, :, None])
-    l_all = (l * scale).sum(2)
-    acc = (acc * scale[..., None]).sum(2)
+    m_all, l_all, acc = _softmax.merge_parts(m, l, acc, axis=2)  # the chunks, by their log-sum-exp
     out = acc / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     out = out.reshape(B, Hkv, G, Sq, Dv).transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv).astype(q.dtype)
     res = Residuals(*(x.reshape(B, Hq, Sq) for x in Residuals.from_running(m_all, l_all)))

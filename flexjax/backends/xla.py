@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dropout
-from ._common import MASK_VALUE, acc_dtype, allowed, apply_score_mod, coarse_lists, lse_of, row_init
+from . import _softmax
+from ._common import acc_dtype, allowed, apply_score_mod, coarse_lists
 from ._contract import Implementation, Residuals, TileLists, always, first_serving, never_raises
 
 NAME = "xla"
@@ -278,27 +279,20 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
                 s = _bmm(q_i, _rows(_slice(kT, j * g.tk, g.tk, 3), lead))
                 s = tile.score_mod(spec, score_consts, s.reshape(tile_shape))
                 if masked:
-                    s = jnp.where(tile.ok, s, MASK_VALUE)
-                # m starts at the lowest finite value (see _common.MASK_VALUE): m_new is
-                # finite, excluded pairs give exp(-inf) = 0, and no NaN arises.
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                alpha = jnp.exp(m - m_new)
-                l = l * alpha + p.sum(-1)
+                    s = jnp.where(tile.ok, s, _softmax.MASK_VALUE)
+                m_new, l, p, alpha = _softmax.step(m, l, s)
                 pv = _bmm(_rows(tile.dropout(spec, seed, p), lead), _rows(_slice(vt, j * g.tk, g.tk, 2), lead))
                 acc = acc * alpha[..., None] + pv.reshape(acc.shape)
                 return m_new, l, acc
 
             return body
 
-        carry = (jnp.full(lead + (g.tq,), row_init(dt), dt),
-                 jnp.zeros(lead + (g.tq,), dt),
-                 jnp.zeros(lead + (g.tq, dv), dt))
+        carry = (*_softmax.start(lead + (g.tq,), dt), jnp.zeros(lead + (g.tq, dv), dt))
         carry = jax.lax.fori_loop(0, kv_n[i], step(True, kv_i[i]), carry)
         carry = jax.lax.fori_loop(0, fkv_n[i], step(False, fkv_i[i]), carry)
         m, l, acc = carry
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return out, (lse_of(m, l), *Residuals.from_running(m, l))
+        return out, (_softmax.lse_of(m, l), *Residuals.from_running(m, l))
 
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32)), lead)
 
@@ -338,14 +332,11 @@ def _fwd_band_core(spec, g, width, score_consts, mask_consts, qt, kT, vt, lists,
         ok = ok & (kv_n[i] + fkv_n[i] > 0)
         s = _bmm(_rows(_slice(qt, i * g.tq, g.tq, 3), lead), _rows(_slice(kT, start, width, 3), lead))
         s = apply_score_mod(spec, score_consts, s.reshape(lead + (g.tq, width)), b, h, q_c, kv_c)
-        s = jnp.where(ok, s, MASK_VALUE)
-        # A finite floor for the max makes fully excluded rows give p = exp(-inf) = 0, not NaN.
-        m = jnp.maximum(s.max(-1), row_init(s.dtype))
-        p = jnp.exp(s - m[..., None])
-        l = p.sum(-1)
+        s = jnp.where(ok, s, _softmax.MASK_VALUE)
+        m, l, p, _ = _softmax.step(*_softmax.start(s.shape[:-1], s.dtype), s)
         p = _dropped(spec, seed, p, b, h, q_c, kv_c)
         pv = _bmm(_rows(p, lead), _rows(_slice(vt, start, width, 2), lead)).reshape(lead + (g.tq, -1))
-        return pv / jnp.where(l > 0, l, 1.0)[..., None], (lse_of(m, l), *Residuals.from_running(m, l))
+        return pv / jnp.where(l > 0, l, 1.0)[..., None], (_softmax.lse_of(m, l), *Residuals.from_running(m, l))
 
     return _q_major(jax.lax.map(q_tile, jnp.arange(g.nq, dtype=jnp.int32), batch_size=_BAND_BATCH), lead)
 

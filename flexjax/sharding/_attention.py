@@ -30,6 +30,7 @@ from .._block_mask import EMPTY, BlockMask
 from .._jaxpr import TRANSPARENT_CALLS, call_body
 from .._spec import check_block_mask, check_qkv, zero_cotangent
 from .._trace import StaticMod, trace_mod
+from ..backends import _softmax
 from ._layout import block_order, positions
 from ._specs import AttentionSpecs, active_specs, axes_of, make_specs
 
@@ -208,14 +209,7 @@ def _rows(w):
 
 def _merge(out, lse, o, l):
     """Softmax-merges two partial attentions of the same queries through their lse."""
-    m = jnp.maximum(lse, l)
-    # Rows with no key in either part keep lse -inf and output 0: shift by 0 there.
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    w1, w2 = jnp.exp(lse - m), jnp.exp(l - m)
-    total = w1 + w2
-    safe = jnp.where(total > 0, total, 1.0)
-    out = out * _rows(w1 / safe) + o.astype(jnp.float32) * _rows(w2 / safe)
-    return out, jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+    return _softmax.merge_normalized(out, lse, o, l, _rows)
 
 
 def _ring_perm(n: int):

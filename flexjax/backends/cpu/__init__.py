@@ -51,8 +51,8 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
-from .._common import lse_of
 from .._contract import Residuals, TileLists
+from .._softmax import lse_of
 from . import _codegen
 
 _HERE = Path(__file__).resolve().parent

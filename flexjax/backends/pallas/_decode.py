@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import _softmax
 from .._contract import Residuals
 from .._decode import DECODE_MAX_Q
 from .._decode import serves as xla_serves
@@ -157,7 +158,7 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
         return step
 
     dv = o_ref.shape[-1]
-    carry = (jnp.full((g.tq, 1), -jnp.inf, jnp.float32), jnp.zeros((g.tq, 1), jnp.float32),
+    carry = (*_softmax.start((g.tq, 1), jnp.float32),
              jnp.zeros((g.tq, dv), jnp.float32))
     carry = lax.fori_loop(lo, jnp.minimum(hi, n_p), body(True, kv_i, 0), carry)
     carry = lax.fori_loop(jnp.maximum(lo, n_p), hi, body(False, fkv_i, n_p), carry)
@@ -236,7 +237,7 @@ def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: 
 
         return step
 
-    carry = (jnp.full((tq, 1), -jnp.inf, jnp.float32), jnp.zeros((tq, 1), jnp.float32),
+    carry = (*_softmax.start((tq, 1), jnp.float32),
              jnp.zeros((tq, Dv), jnp.float32))
     carry = lax.fori_loop(lo, jnp.minimum(hi, n_p), body(True), carry)
     carry = lax.fori_loop(jnp.maximum(lo, n_p), hi, body(False), carry)
@@ -368,13 +369,10 @@ def _merge(acc, m, l, q, pack, Sq, G, Hkv, Hq, Dv):
         m, l = (x[:, :, :, :R].reshape(chunks, B, Hq, Sq, 1) for x in (m, l))
         acc = acc[:, :, :R].reshape(chunks, B, G, Sq, Hkv, Dv).transpose(0, 1, 3, 4, 2, 5)
         acc = acc.reshape(chunks, B, Sq, Hq, Dv)
-    # Merge the chunks by their log-sum-exp; an empty chunk has sum 0 and max 0.
+    # Merge the chunks by their log-sum-exp (each chunk's acc is normalised by its own sum).
     m, l = m[:, :, :, :Sq, 0], l[:, :, :, :Sq, 0]
-    m_all = jnp.where(l > 0, m, -jnp.inf).max(0)
-    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    w = jnp.where(l > 0, jnp.exp(m - m_all), 0.0)
-    l_all = (l * w).sum(0)
-    acc = (acc[:, :, :Sq] * (w * l).transpose(0, 1, 3, 2)[..., None]).sum(0)
+    m_all, l_all, acc = _softmax.merge_parts(m, l, acc[:, :, :Sq].transpose(0, 1, 3, 2, 4) * l[..., None], axis=0)
+    acc = acc.transpose(0, 2, 1, 3)
     out = acc / jnp.where(l_all > 0, l_all, 1.0).transpose(0, 2, 1)[..., None]
     res = Residuals.from_running(m_all, l_all)
     return out.astype(q.dtype), res.lse(), res

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .. import _softmax
 from .._layout import Geom, Mods, Prologue, is_float
 from ._tile import (
     Dropout,
@@ -165,7 +166,7 @@ def _fwd_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, rate: float):
         return step
 
     dv = v_ref.shape[-1]
-    carry = (jnp.full((g.tq, 1), -jnp.inf, jnp.float32), jnp.zeros((g.tq, 1), jnp.float32),
+    carry = (*_softmax.start((g.tq, 1), jnp.float32),
              jnp.zeros((g.tq, dv), jnp.float32))
     carry = _walk(kv_n, kv_i, prog, h, row, g.sub_k, body(True), carry)
     carry = _walk(fkv_n, fkv_i, prog, h, row, g.sub_k, body(False), carry)

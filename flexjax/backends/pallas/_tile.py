@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ... import _dropout
+from .. import _softmax
 from .._layout import Mods
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -109,13 +110,7 @@ def softmax_step(carry, s, v, keep=None):
     the kept ones (``finish`` rescales by 1 / (1 - rate)).
     """
     m, l, acc = carry
-    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
-    # A row with no allowed key so far keeps m = -inf; subtracting 0 instead keeps exp()
-    # at exactly 0 there rather than NaN.
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_use)
-    alpha = jnp.exp(m - m_use)
-    l = l * alpha + p.sum(axis=-1, keepdims=True)
+    m_new, l, p, alpha = _softmax.step(m, l, s, keepdims=True)
     pv = p if keep is None else jnp.where(keep, p, 0.0)
     acc = acc * alpha + dot(pv.astype(v.dtype), v)
     return m_new, l, acc
