@@ -44,14 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 
-from ._jaxpr import CALL_BODY, body_of, call_body, collect_prims, open_jaxpr
+from ._jaxpr import collect_prims
+from ._modir import READS, SHAPE_ONLY, Lit, Node, _size1, bind, flatten, read_indices, read_problem
 from ._trace import StaticMod
 
-# Primitives that only rename or reshape a value that has one element per position.
-_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
-                         "reduce_sum", "reduce_max", "reduce_min", "transpose"})
 # Primitives the DESIGN lists as broken inside Triton kernels even where a rule exists.
 _TRITON_GAPS = frozenset({"erf", "round", "sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
 _MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
@@ -63,134 +60,6 @@ TARGETS = ("interpret", "cuda", "tpu", "triton")
 _BACKEND = {"interpret": "pallas", "cuda": "pallas", "tpu": "pallas", "triton": "triton"}
 
 _ARG_TAGS = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
-
-
-class Lit:
-    """A literal operand."""
-
-    __slots__ = ("val",)
-
-    def __init__(self, val):
-        self.val = val
-
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """One first-order primitive application; operands are var ids or Lit."""
-
-    prim: Any
-    params: dict
-    ins: tuple
-    outs: tuple[int, ...]
-    in_avals: tuple
-    out_avals: tuple
-
-
-def _size1(aval) -> bool:
-    return int(np.prod(aval.shape)) == 1
-
-
-class _Flattener:
-    """Inlines call primitives so the mod becomes one flat list of nodes.
-
-    A call's body may close over arrays of its own (a ``jax.jit``-ed helper that reads a
-    table): one-element ones become literals; with ``bake`` larger ones become vars whose
-    values ``baked`` holds (constants the prologue hands the kernel like captured arrays),
-    else they are refused.
-    """
-
-    def __init__(self, mod_name: str, backend: str = "pallas", bake: bool = False):
-        self.backend = backend
-        self.nodes: list[Node] = []
-        self.avals: dict[int, Any] = {}
-        self.count = 0
-        self.mod_name = mod_name
-        self.bake = bake
-        self.baked: dict[int, np.ndarray] = {}
-
-    def new(self, aval) -> int:
-        self.count += 1
-        self.avals[self.count] = aval
-        return self.count
-
-    def atom(self, env, v):
-        if isinstance(v, jex_core.Literal):
-            return Lit(np.asarray(v.val, dtype=v.aval.dtype))
-        return env[v]
-
-    def run(self, jaxpr, args, invars=None) -> list:
-        env = dict(zip(jaxpr.invars if invars is None else invars, args))
-        for eqn in jaxpr.eqns:
-            ins = [self.atom(env, v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if name == "custom_jvp_call" and _elementwise_call(eqn):
-                # Kept whole, so that differentiating the kernel part uses the function's own
-                # JVP rule (jax.nn.relu's is 0 at 0; its inlined max(x, 0) would give 0.5).
-                outs = [self.new(v.aval) for v in eqn.outvars]
-                self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
-                                       tuple(v.aval for v in eqn.invars),
-                                       tuple(v.aval for v in eqn.outvars)))
-            elif name in CALL_BODY:
-                body = call_body(eqn)
-                if body is None:
-                    raise NotImplementedError(
-                        f"the {self.backend} backend cannot inline primitive {name!r} in mod {self.mod_name!r}")
-                sub, consts = body
-                outs = self.run(sub, [self._const(c) for c in consts] + ins, [*sub.constvars, *sub.invars])
-            else:
-                outs = [self.new(v.aval) for v in eqn.outvars]
-                self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
-                                       tuple(v.aval for v in eqn.invars),
-                                       tuple(v.aval for v in eqn.outvars)))
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-        return [self.atom(env, v) for v in jaxpr.outvars]
-
-    def _const(self, c):
-        arr = np.asarray(c)
-        if arr.size == 1:
-            return Lit(arr.reshape(()))
-        if not self.bake:
-            raise NotImplementedError(
-                f"mod {self.mod_name!r} closes over an array inside a nested call (jit, checkpoint, custom_jvp ...), "
-                f"which the {self.backend} backend cannot read here; close over it in the mod itself")
-        var = self.new(jax.core.ShapedArray(arr.shape, arr.dtype))
-        self.baked[var] = arr
-        return var
-
-
-def inline_call(node: Node, mod_name: str, backend: str):
-    """A kept call node (``custom_jvp_call``) flattened: ``(nodes, body_ins, body_outs)``.
-
-    Code generators whose target has no autodiff emit the body in place; ``body_ins``
-    take the node's operands.
-    """
-    body = body_of(node.prim.name, node.params, len(node.ins), len(node.outs))
-    if body is None:
-        raise NotImplementedError(
-            f"the {backend} backend cannot inline primitive {node.prim.name!r} in mod {mod_name!r}")
-    sub, consts = body
-    fl = _Flattener(mod_name, backend)
-    sub_ins = [fl.new(v.aval) for v in sub.invars]
-    outs = fl.run(sub, [fl._const(c) for c in consts] + sub_ins, [*sub.constvars, *sub.invars])
-    return fl.nodes, sub_ins, outs
-
-
-def _elementwise_call(eqn) -> bool:
-    """A call on scalars whose body reads no captured array (so the analysis needs no look inside)."""
-    if len(eqn.outvars) != 1 or any(not _size1(v.aval) for v in (*eqn.invars, *eqn.outvars)):
-        return False
-    sub, consts = open_jaxpr(eqn.params["call_jaxpr"])
-    if any(np.size(c) != 1 for c in consts):
-        return False
-    return not ({"dynamic_slice", "gather", "dynamic_update_slice", "scatter", "scatter-add"}
-                & collect_prims(sub))
-
-
-def bind(node: Node, vals):
-    """Applies ``node``'s primitive to ``vals``, as ``jax.core.eval_jaxpr`` does (call primitives
-    get their sub-functions back from their params; JAX 0.10 and 0.11 alike)."""
-    return node.prim.bind(*vals, **node.prim.get_bind_params(node.params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +134,7 @@ class CompiledMod:
     def reads(self) -> tuple:
         """The kernel part's array reads (dynamic_slice / gather nodes), in order."""
         return tuple(node for node, s in zip(self.nodes, self.side)
-                     if s == "k" and node.prim.name in ("dynamic_slice", "gather"))
+                     if s == "k" and node.prim.name in READS)
 
     # -- prologue (XLA) ---------------------------------------------------------------------
     def _eval_scalar(self, env: dict, wanted: tuple):
@@ -405,29 +274,14 @@ def _clamp_index(i, n):
 
 def _eval_node(node: Node, env, arrays, load, mod_name, target: str = "interpret"):
     name = node.prim.name
-    if name == "dynamic_slice":
-        operand, *starts = node.ins
+    if name in READS:
+        # XLA clamps the starts so the one-element slice stays inside the array.
         shape = node.in_avals[0].shape
-        # XLA clamps dynamic_slice starts so the (size-1) slice stays inside the array.
-        idx = [_clamp_index(_value(s, env), n) for s, n in zip(starts, shape)]
-        return [load(arrays[operand], _broadcast(idx))]
-    if name == "gather":
-        operand, indices = node.ins
-        shape = node.in_avals[0].shape
-        dn = node.params["dimension_numbers"]
-        comps = _value(indices, env)
-        comps = comps if isinstance(comps, list) else [comps]
-        idx = [None] * len(shape)
-        for c, d in zip(comps, dn.start_index_map):
-            idx[d] = c
-        raw = [jnp.asarray(i).astype(jnp.int32) for i in idx]
-        clamped = _broadcast([_clamp_index(i, n) for i, n in zip(raw, shape)])
-        val = load(arrays[operand], clamped)
-        if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        raw, fill = read_indices(node, lambda x: _value(x, env), 0)
+        raw = [jnp.asarray(i).astype(jnp.int32) for i in raw]
+        val = load(arrays[node.ins[0]], _broadcast([_clamp_index(i, n) for i, n in zip(raw, shape)]))
+        if fill is not None:
             inside = functools.reduce(jnp.logical_and, [(i >= 0) & (i < n) for i, n in zip(raw, shape)])
-            fill = node.params["fill_value"]
-            if fill is None:
-                fill = jnp.nan if jnp.issubdtype(node.out_avals[0].dtype, jnp.inexact) else 0
             val = jnp.where(inside, val, jnp.asarray(fill, node.out_avals[0].dtype))
         return [val]
     if name == "custom_jvp_call":
@@ -436,7 +290,7 @@ def _eval_node(node: Node, env, arrays, load, mod_name, target: str = "interpret
     ins = [_value(x, env) for x in node.ins]
     if name == "concatenate":
         return [[c for v in ins for c in (v if isinstance(v, list) else [v])]]
-    if name in _SHAPE_ONLY:
+    if name in SHAPE_ONLY:
         return [ins[0]]
     if any(isinstance(v, list) for v in ins):
         n = max(len(v) for v in ins if isinstance(v, list))
@@ -534,7 +388,7 @@ def _diagonal_deps(nodes, const_ids, arg_tags, q_var, kv_var):
         else:
             pos = d & _POSITIONS
         index = frozenset().union(*(deps.get(x, frozenset()) for x in node.ins[1:] if not isinstance(x, Lit)))
-        diagonal_read = node.prim.name in ("dynamic_slice", "gather") and index & _POSITIONS == {"r"}
+        diagonal_read = node.prim.name in READS and index & _POSITIONS == {"r"}
         tag = frozenset({_DIAGONAL_READ}) if diagonal_read else frozenset()
         for o, aval in zip(node.outs, node.out_avals):
             deps[o] = (d - _POSITIONS) | pos | tag | ({"arr"} if not _size1(aval) else frozenset())
@@ -633,20 +487,17 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
 
 
 def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
-    jaxpr = mod.jaxpr
-    fl = _Flattener(mod.name, _BACKEND[target], bake=True)
-    ins = [fl.new(v.aval) for v in jaxpr.invars]
-    (out,) = fl.run(jaxpr, ins)
-    consts, args = tuple(ins[: mod.num_consts]), tuple(ins[mod.num_consts:])
+    ir = flatten(mod, _BACKEND[target], bake=True)
+    out, consts, args = ir.out, ir.consts, ir.args
     names = ("score", "b", "h", "q_idx", "kv_idx") if mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
     arg_tags = {a: frozenset({_ARG_TAGS[n]}) for a, n in zip(args, names)}
-    nodes = tuple(fl.nodes)
+    nodes = ir.nodes
     if target == "tpu":
         # Mosaic cannot gather: reads along the diagonal kv_idx - q_idx are hoisted instead.
-        deps = _diagonal_deps(nodes, (*consts, *fl.baked), arg_tags, args[names.index("q_idx")],
+        deps = _diagonal_deps(nodes, (*consts, *ir.baked), arg_tags, args[names.index("q_idx")],
                               args[names.index("kv_idx")])
     else:
-        deps = _deps(nodes, (*consts, *fl.baked), arg_tags)
+        deps = _deps(nodes, (*consts, *ir.baked), arg_tags)
     side = _kernel_liveness(nodes, _sides(nodes, deps), out)
 
     # Hoisted values the kernel reads, and arrays it gathers from.
@@ -656,14 +507,14 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     for node, s in zip(nodes, side):
         if s != "k":
             continue
-        is_read = node.prim.name in ("dynamic_slice", "gather")
+        is_read = node.prim.name in READS
         for pos, x in enumerate(node.ins):
             if isinstance(x, Lit):
                 continue
             src = produced.get(x, "arg" if x in args else "const")
             if src == "k" or src == "arg":
                 continue
-            aval = fl.avals[x]
+            aval = ir.avals[x]
             if is_read and pos == 0 and deps[x] <= {"arr"}:
                 if x not in arrays:
                     arrays.append(x)
@@ -683,23 +534,16 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
         if out not in hoisted:
             hoisted.append(out)
     for node, s in zip(nodes, side):
-        if s == "k" and node.prim.name in ("dynamic_slice", "gather") and target == "tpu":
+        if s == "k" and node.prim.name in READS and target == "tpu":
             raise NotImplementedError(
                 f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
                 f"(primitive {node.prim.name!r}) other than through kv_idx - q_idx; Mosaic TPU cannot gather inside "
                 "a kernel. Arrays indexed only by b, h and q_idx, only by b, h and kv_idx, or only by b, h and "
                 "an affine function of kv_idx - q_idx are supported; use backend='xla' for this mod")
-        if s == "k" and node.prim.name == "dynamic_slice" and any(sz != 1 for sz in node.params["slice_sizes"]):
-            raise NotImplementedError(
-                f"mod {mod.name!r} slices more than one element of a captured array (primitive 'dynamic_slice'); "
-                "index it one element per position")
-        if s == "k" and node.prim.name == "gather":
-            dn = node.params["dimension_numbers"]
-            nd = len(node.in_avals[0].shape)
-            if dn.offset_dims or sorted(dn.collapsed_slice_dims) != list(range(nd)) or dn.operand_batching_dims:
-                raise NotImplementedError(
-                    f"mod {mod.name!r} uses a gather that is not a one-element read (primitive 'gather'); "
-                    "index the captured array with one integer per dimension")
+        problem = read_problem(node) if s == "k" and node.prim.name in READS else None
+        if problem is not None:
+            raise NotImplementedError(f"mod {mod.name!r} {problem}; index the captured array with one integer per "
+                                      "dimension, one element per position")
 
     def uses(v):
         return ("b" in deps[v], "h" in deps[v])
@@ -707,8 +551,8 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     compiled = CompiledMod(mod=mod, target=target, nodes=nodes, args=args, consts=consts, out=out,
                            side=tuple(side), rows=tuple(rows), cols=tuple(cols), arrays=tuple(arrays),
                            row_uses=tuple(uses(r) for r in rows), col_uses=tuple(uses(c) for c in cols),
-                           avals=dict(fl.avals), diags=tuple(diags), diag_uses=tuple(uses(d) for d in diags),
-                           baked=dict(fl.baked), row_reads_q=tuple("q" in deps[r] for r in rows))
+                           avals=dict(ir.avals), diags=tuple(diags), diag_uses=tuple(uses(d) for d in diags),
+                           baked=dict(ir.baked), row_reads_q=tuple("q" in deps[r] for r in rows))
     _check_kernel_part(compiled)
     return compiled
 

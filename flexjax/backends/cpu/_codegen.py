@@ -24,16 +24,23 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..._jaxpr import open_jaxpr
-from ..._modcompiler import Lit, _Flattener, inline_call, refusing
+from ..._modcompiler import refusing
+from ..._modir import (
+    READS,
+    TANH_SMALL,
+    VALUE_IDENTITY,
+    Lit,
+    flatten,
+    inline_call,
+    int_pow_plan,
+    read_indices,
+    read_problem,
+    tanh_series,
+)
 from ..._trace import StaticMod
 
-# Identity on values with one element per position (the mod has scalar semantics).
-_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
-                         "reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or", "transpose",
-                         "optimization_barrier", "stop_gradient"})
 _ARITH = {"add": "+", "add_any": "+", "sub": "-", "mul": "*"}
 _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _BITS = {"and": "&", "or": "|", "xor": "^"}
@@ -53,15 +60,14 @@ PRELUDE = r"""
 #include "vec.h"  // v16 / vi16 / vu16, fj_ld, fj_st, fj_f, fj_i, fj_u, fj_vexp
 static inline vi16 fj_b(bool x) { return fj_i(x ? -1 : 0); }
 static inline float fj_exp(float x) { return expf(x); }
-// |x| < 0.3: odd Taylor series to x^13; beyond, (1 - t) / (1 + t) with t = exp(-2|x|).
+// _modir.TANH_SERIES below |x| < TANH_SMALL; beyond, (1 - t) / (1 + t) with t = exp(-2|x|).
 static inline v16 fj_vtanh(v16 x) {
   v16 x2 = x * x;
-  v16 small = x * (1.0f + x2 * (-0.3333333333333333f + x2 * (0.13333333333333333f + x2 * (-0.05396825396825397f
-              + x2 * (0.021869488536155203f + x2 * (-0.008863235529902197f + x2 * 0.003592128036572481f))))));
+  v16 small = TANH_SERIES_F;
   v16 ax = x < 0.0f ? -x : x;
   v16 t = fj_vexp(-2.0f * ax);
   v16 big = (1.0f - t) / (1.0f + t);
-  v16 r = ax < 0.3f ? small : (x < 0.0f ? -big : big);
+  v16 r = ax < TANH_SMALL_F ? small : (x < 0.0f ? -big : big);
   return x != x ? x : r;
 }
 static inline float fj_tanh(float x) { return tanhf(x); }
@@ -90,7 +96,7 @@ static inline int32_t fj_irem(int32_t a, int32_t b) {
 }
 static inline uint32_t fj_udiv(uint32_t a, uint32_t b) { return b == 0 ? 0xFFFFFFFFu : a / b; }
 static inline uint32_t fj_urem(uint32_t a, uint32_t b) { return b == 0 ? a : a % b; }
-"""
+""".replace("TANH_SERIES_F", tanh_series("x", "x2", "f")).replace("TANH_SMALL_F", f"{TANH_SMALL!r}f")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,13 +329,7 @@ def _op(em: _Emitter, node, ins: list[_Val]) -> _Val:
 def _int_pow(em, x: _Val, y: int, vec: bool, out: str) -> _Val:
     if y == 0:
         return em.literal(np.asarray(1, dtype=out))
-    acc, base, n = None, x, abs(y)
-    while n:
-        if n & 1:
-            acc = base if acc is None else em.assign(f"({acc.text} * {base.text})", vec, out)
-        n >>= 1
-        if n:
-            base = em.assign(f"({base.text} * {base.text})", vec, out)
+    acc = int_pow_plan(y, x, lambda a, b: em.assign(f"({a.text} * {b.text})", vec, out), None)
     if y < 0:
         if out != "float32":
             raise em.unsupported("a negative integer_pow of an integer")
@@ -358,34 +358,20 @@ def _read(em: _Emitter, node, env, arrays: dict) -> _Val:
     shape = node.in_avals[0].shape
     ptr, dtype = arrays[operand]
     out = em.check_dtype(_dtype_name(node.out_avals[0]))
+    problem = read_problem(node)
+    if problem is not None:
+        raise em.unsupported(f"a read that {problem}")
+    raw, fv = read_indices(node, lambda x: _value(em, x, env), _Val("0", False, "int32"))
     fill = None
-    if node.prim.name == "dynamic_slice":
-        if any(s != 1 for s in node.params["slice_sizes"]):
-            raise em.unsupported("a dynamic_slice of more than one element")
-        raw = [_value(em, s, env) for s in node.ins[1:]]
-    else:
-        dn = node.params["dimension_numbers"]
-        nd = len(shape)
-        if dn.offset_dims or sorted(dn.collapsed_slice_dims) != list(range(nd)) or dn.operand_batching_dims:
-            raise em.unsupported("a gather that is not a one-element read")
-        comps = _value(em, node.ins[1], env)
-        comps = comps if isinstance(comps, list) else [comps]
-        raw = [None] * nd
-        for c, d in zip(comps, dn.start_index_map):
-            raw[d] = c
-        raw = [r if r is not None else _Val("0", False, "int32") for r in raw]
-        if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-            fv = node.params["fill_value"]
-            if fv is None:
-                fv = np.nan if out == "float32" else 0
-            inside = None
-            for r, n in zip(raw, shape):
-                t = em.assign(f"(({r.text} >= 0) & ({r.text} < {n}))" if r.vec
-                              else f"(({r.text} >= 0) && ({r.text} < {n}))", r.vec, "bool")
-                inside = t if inside is None else em.assign(
-                    f"({em.vec(inside) if t.vec else inside.text} {'&' if t.vec or inside.vec else '&&'} "
-                    f"{em.vec(t) if inside.vec else t.text})", t.vec or inside.vec, "bool")
-            fill = (inside, em.literal(np.asarray(fv, dtype=out)))
+    if fv is not None:
+        inside = None
+        for r, n in zip(raw, shape):
+            t = em.assign(f"(({r.text} >= 0) & ({r.text} < {n}))" if r.vec
+                          else f"(({r.text} >= 0) && ({r.text} < {n}))", r.vec, "bool")
+            inside = t if inside is None else em.assign(
+                f"({em.vec(inside) if t.vec else inside.text} {'&' if t.vec or inside.vec else '&&'} "
+                f"{em.vec(t) if inside.vec else t.text})", t.vec or inside.vec, "bool")
+        fill = (inside, em.literal(np.asarray(fv, dtype=out)))
     idx = [_clamped_index(em, r, n) for r, n in zip(raw, shape)]
     flat = idx[0]
     for i, n in zip(idx[1:], shape[1:]):
@@ -421,7 +407,7 @@ def _value(em: _Emitter, x, env):
 def _emit_nodes(em: _Emitter, nodes, env, arrays):
     for node in nodes:
         name = node.prim.name
-        if name in ("dynamic_slice", "gather"):
+        if name in READS:
             env[node.outs[0]] = _read(em, node, env, arrays)
             continue
         if name == "custom_jvp_call":
@@ -435,7 +421,7 @@ def _emit_nodes(em: _Emitter, nodes, env, arrays):
         if name == "concatenate":
             env[node.outs[0]] = [c for v in ins for c in (v if isinstance(v, list) else [v])]
             continue
-        if name in _SHAPE_ONLY:
+        if name in VALUE_IDENTITY:
             env[node.outs[0]] = ins[0]
             continue
         if any(isinstance(v, list) for v in ins):
@@ -526,11 +512,8 @@ def generate_vjp(mod: StaticMod, const_avals: tuple) -> GeneratedMod:
 
 
 def _generate(mod, const_avals: tuple, packed: bool = False) -> GeneratedMod:
-    jaxpr = mod.jaxpr
-    fl = _Flattener(mod.name, "xla")
-    ins = [fl.new(v.aval) for v in jaxpr.invars]
-    (out,) = fl.run(jaxpr, ins)
-    consts, args = ins[: mod.num_consts], ins[mod.num_consts:]
+    ir = flatten(mod, "xla")
+    out, consts, args = ir.out, ir.consts, ir.args
     em = _Emitter(mod)
     env: dict = {}
     arrays: dict = {}
@@ -546,7 +529,7 @@ def _generate(mod, const_avals: tuple, packed: bool = False) -> GeneratedMod:
     names = {"score": ("score", "b", "h", "q_idx", "kv_idx"), "mask": ("b", "h", "q_idx", "kv_idx"),
              "vjp": ("score", "b", "h", "q_idx", "kv_idx", "dout")}[mod.kind]
     for a, n in zip(args, names):
-        dtype = _dtype_name(fl.avals[a])
+        dtype = _dtype_name(ir.avals[a])
         want = "float32" if n in ("score", "dout") else "int32"
         if dtype != want:
             raise em.unsupported(f"argument {n} of dtype {dtype}")
@@ -559,7 +542,7 @@ def _generate(mod, const_avals: tuple, packed: bool = False) -> GeneratedMod:
         env[arg["score"]] = _Val("score", True, "float32")
     if mod.kind == "vjp":
         env[arg["dout"]] = _Val("dout", True, "float32")
-    _emit_nodes(em, fl.nodes, env, arrays)
+    _emit_nodes(em, ir.nodes, env, arrays)
     res = _value(em, out, env)
     if isinstance(res, list):
         raise em.unsupported("a mod whose result is not one value per position")

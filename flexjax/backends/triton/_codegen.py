@@ -36,10 +36,21 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..._jaxpr import open_jaxpr
-from ..._modcompiler import CompiledMod, Lit, _Flattener, inline_call, refusing
+from ..._modcompiler import CompiledMod, refusing
+from ..._modir import (
+    READS,
+    TANH_SMALL,
+    VALUE_IDENTITY,
+    Flattener,
+    Lit,
+    inline_call,
+    int_pow_plan,
+    read_indices,
+    read_problem,
+    tanh_series,
+)
 
 _TL_DTYPES = {
     "float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float64": "tl.float64",
@@ -47,10 +58,6 @@ _TL_DTYPES = {
     "uint32": "tl.uint32", "uint16": "tl.uint16", "uint8": "tl.uint8", "bool": "tl.int1",
 }
 
-# Identity on values with one element per position (the mod has scalar semantics).
-_SHAPE_ONLY = frozenset({"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p",
-                         "reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or", "transpose",
-                         "optimization_barrier"})
 _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
            "ne": "!=", "and": "&", "or": "|", "xor": "^", "shift_left": "<<", "shift_right_arithmetic": ">>"}
 _UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sin": "tl.sin", "cos": "tl.cos",
@@ -58,24 +65,16 @@ _UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sin": "tl.sin
 # Functions written out in tl ops (``_HELPERS``), accurate to a few float32 ulp.
 _UNARY_HELPER = {"tanh": "tanh", "log1p": "log1p", "expm1": "expm1", "logistic": "logistic"}
 
-SUPPORTED_PRIMITIVES = frozenset(
-    set(_SHAPE_ONLY) | set(_BINARY) | set(_UNARY_TL) | set(_UNARY_HELPER)
-    | {"div", "rem", "neg", "sign", "max", "min", "not", "select_n", "convert_element_type", "clamp",
-       "integer_pow", "square", "rsqrt", "is_finite", "shift_right_logical", "concatenate", "pow",
-       "dynamic_slice", "gather", "stop_gradient", "custom_jvp_call"})
-
 _HELPERS = {
-    # |x| < 0.3: the odd Taylor series to x^13 (next term 2e-11 relative); beyond, (1 - t) / (1 + t)
-    # with t = exp(-2|x|) <= 0.55, which loses at most a few ulp.
-    "tanh": '''
+    # _modir.TANH_SERIES below |x| < 0.3; beyond, (1 - t) / (1 + t) with t = exp(-2|x|).
+    "tanh": f'''
 @triton.jit
-def {p}_tanh(x):
+def {{p}}_tanh(x):
     x2 = x * x
-    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
-            + x2 * (0.021869488536155203 + x2 * (-0.008863235529902197 + x2 * 0.003592128036572481))))))
+    small = {tanh_series("x", "x2")}
     t = tl.exp(-2.0 * tl.abs(x))
     big = (1.0 - t) / (1.0 + t)
-    return tl.where(tl.abs(x) < 0.3, small, tl.where(x < 0, -big, big))
+    return tl.where(tl.abs(x) < {TANH_SMALL}, small, tl.where(x < 0, -big, big))
 ''',
     # Goldberg's log1p and Kahan's expm1: exact where 1 + x (exp(x)) rounds to 1, relative
     # error of a few ulp elsewhere.
@@ -187,7 +186,7 @@ class _Emitter:
     def node(self, node, env, load=None):
         """Emits ``node``; returns its output expressions (a list per output for index vectors)."""
         name = node.prim.name
-        if name in ("dynamic_slice", "gather"):
+        if name in READS:
             if load is None:
                 raise self.unsupported(name)
             return [load(node, env)]
@@ -201,7 +200,7 @@ class _Emitter:
             return [self.value(o, sub_env) for o in outs]
         if name == "concatenate":
             return [[c for v in ins for c in (v if isinstance(v, list) else [v])]]
-        if name in _SHAPE_ONLY or name == "stop_gradient":
+        if name in VALUE_IDENTITY:
             return [ins[0]]
         if any(isinstance(v, list) for v in ins):
             n = max(len(v) for v in ins if isinstance(v, list))
@@ -209,94 +208,127 @@ class _Emitter:
         return [self._op(node, ins)]
 
     def _op(self, node, ins) -> str:
-        name = node.prim.name
-        dtype = node.out_avals[0].dtype
-        in_dtype = node.in_avals[0].dtype if node.in_avals else dtype
-        fl = _is_float(in_dtype)
-        if name in _BINARY:
-            return self.assign(f"({ins[0]} {_BINARY[name]} {ins[1]})")
-        if name in _UNARY_TL:
-            if name != "abs" and not fl:
-                raise self.unsupported(name)
-            return self.assign(f"{_UNARY_TL[name]}({ins[0]})")
-        if name in _UNARY_HELPER:
-            self.helpers.add(_UNARY_HELPER[name])
-            return self.assign(f"{self.prefix}_{_UNARY_HELPER[name]}({ins[0]})")
-        if name == "div":
-            return self.assign(f"({ins[0]} / {ins[1]})" if fl else f"({ins[0]} // {ins[1]})")
-        if name == "rem":
-            # Triton's % is C's fmod / srem, as lax.rem (the sign of the dividend).
-            return self.assign(f"({ins[0]} % {ins[1]})")
-        if name == "neg":
-            return self.assign(f"(-{ins[0]})")
-        if name == "not":
-            return self.assign(f"({ins[0]} == 0)" if dtype == jnp.bool_ else f"(~{ins[0]})")
-        if name in ("max", "min"):
-            fn = "tl.maximum" if name == "max" else "tl.minimum"
-            if dtype == jnp.bool_:
-                return self.assign(f"({ins[0]} {'|' if name == 'max' else '&'} {ins[1]})")
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if fl else ""
-            return self.assign(f"{fn}({ins[0]}, {ins[1]}{nan})")
-        if name == "clamp":
-            lo, x, hi = ins
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if _is_float(node.in_avals[1].dtype) else ""
-            return self.assign(f"tl.minimum(tl.maximum({x}, {lo}{nan}), {hi}{nan})")
-        if name == "sign":
-            one, zero = ("1.0", "0.0") if fl else ("1", "0")
-            t = _tl(dtype)
-            return self.assign(f"tl.where({ins[0]} > {zero}, tl.full([], {one}, {t}), "
-                               f"tl.where({ins[0]} < {zero}, tl.full([], -{one}, {t}), {ins[0]}))")
-        if name == "select_n":
-            pred, *cases = ins
-            if node.in_avals[0].dtype == jnp.bool_:
-                return self.assign(f"tl.where({pred}, {cases[1]}, {cases[0]})")
-            expr = cases[-1]
-            for i in range(len(cases) - 2, -1, -1):
-                expr = f"tl.where({pred} == {i}, {cases[i]}, {expr})"
-            return self.assign(expr)
-        if name == "convert_element_type":
-            if dtype == jnp.bool_:
-                return self.assign(f"({ins[0]} != 0)")
-            return self.assign(f"{ins[0]}.to({_tl(dtype)})")
-        if name in ("integer_pow", "square"):
-            y = node.params["y"] if name == "integer_pow" else 2
-            return self.assign(self._int_pow(ins[0], y, fl))
-        if name == "pow":
-            if not fl or not _is_float(node.in_avals[1].dtype):
-                raise self.unsupported(name)
-            x, y = ins
-            # x ** y for x > 0; x == 0 gives 0, 1 or inf; x < 0 an integer power with its sign, or NaN.
-            mag = self.assign(f"tl.exp2({y} * tl.log2(tl.abs({x})))")
-            odd = self.assign(f"(tl.floor({y} * 0.5) * 2.0 != {y})")
-            whole = self.assign(f"(tl.floor({y}) == {y})")
-            return self.assign(f"tl.where({x} < 0, tl.where({whole}, tl.where({odd}, -{mag}, {mag}), "
-                               f"float(\"nan\")), {mag})")
-        if name == "rsqrt":
-            return self.assign(f"(1.0 / tl.sqrt_rn({ins[0]}))")
-        if name == "is_finite":
-            return self.assign(f"(tl.abs({ins[0]}) < float(\"inf\"))")
-        if name == "shift_right_logical":
-            t = _tl(dtype)
-            ut = t.replace("tl.int", "tl.uint")
-            return self.assign(f"({ins[0]}.to({ut}, bitcast=True) >> {ins[1]}.to({ut}, bitcast=True))"
-                               f".to({t}, bitcast=True)")
-        raise self.unsupported(name)
+        rule = _RULES.get(node.prim.name)
+        if rule is None:
+            raise self.unsupported(node.prim.name)
+        return rule(self, node, ins)
 
-    def _int_pow(self, x: str, y: int, fl: bool) -> str:
-        if y == 0:
-            return f"({x} * 0 + 1)"
-        acc, base, n = None, x, abs(y)
-        while n:
-            if n & 1:
-                acc = base if acc is None else self.assign(f"({acc} * {base})")
-            n >>= 1
-            if n:
-                base = self.assign(f"({base} * {base})")
+    def int_pow(self, x: str, y: int, fl: bool) -> str:
+        """``x ** y`` by repeated squaring (``_modir.int_pow_plan``)."""
+        if y < 0 and not fl:
+            raise self.unsupported("integer_pow")
+        out = int_pow_plan(y, x, lambda a, b: self.assign(f"({a} * {b})"), f"({x} * 0 + 1)")
         if y < 0:
-            if not fl:
-                raise self.unsupported("integer_pow")
-            return f"(1.0 / {acc})"
-        return f"({acc} + 0)" if acc == x else acc
+            return f"(1.0 / {out})"
+        return f"({out} + 0)" if out == x else out
+
+
+# -- the translation table: primitive -> rule(emitter, node, operand expressions) -> expression --
+
+def _fl(node) -> bool:
+    """Whether the node's first operand is a float."""
+    return _is_float(node.in_avals[0].dtype if node.in_avals else node.out_avals[0].dtype)
+
+
+def _binary(op):
+    return lambda em, node, ins: em.assign(f"({ins[0]} {op} {ins[1]})")
+
+
+def _unary_tl(fn):
+    def rule(em, node, ins):
+        if fn != "tl.abs" and not _fl(node):
+            raise em.unsupported(node.prim.name)
+        return em.assign(f"{fn}({ins[0]})")
+    return rule
+
+
+def _unary_helper(helper):
+    def rule(em, node, ins):
+        em.helpers.add(helper)
+        return em.assign(f"{em.prefix}_{helper}({ins[0]})")
+    return rule
+
+
+def _max_min(em, node, ins):
+    name, dtype = node.prim.name, node.out_avals[0].dtype
+    if dtype == jnp.bool_:
+        return em.assign(f"({ins[0]} {'|' if name == 'max' else '&'} {ins[1]})")
+    nan = ", propagate_nan=tl.PropagateNan.ALL" if _fl(node) else ""
+    return em.assign(f"{'tl.maximum' if name == 'max' else 'tl.minimum'}({ins[0]}, {ins[1]}{nan})")
+
+
+def _clamp(em, node, ins):
+    lo, x, hi = ins
+    nan = ", propagate_nan=tl.PropagateNan.ALL" if _is_float(node.in_avals[1].dtype) else ""
+    return em.assign(f"tl.minimum(tl.maximum({x}, {lo}{nan}), {hi}{nan})")
+
+
+def _sign(em, node, ins):
+    one, zero = ("1.0", "0.0") if _fl(node) else ("1", "0")
+    t = _tl(node.out_avals[0].dtype)
+    return em.assign(f"tl.where({ins[0]} > {zero}, tl.full([], {one}, {t}), "
+                     f"tl.where({ins[0]} < {zero}, tl.full([], -{one}, {t}), {ins[0]}))")
+
+
+def _select_n(em, node, ins):
+    pred, *cases = ins
+    if node.in_avals[0].dtype == jnp.bool_:
+        return em.assign(f"tl.where({pred}, {cases[1]}, {cases[0]})")
+    expr = cases[-1]
+    for i in range(len(cases) - 2, -1, -1):
+        expr = f"tl.where({pred} == {i}, {cases[i]}, {expr})"
+    return em.assign(expr)
+
+
+def _convert(em, node, ins):
+    dtype = node.out_avals[0].dtype
+    if dtype == jnp.bool_:
+        return em.assign(f"({ins[0]} != 0)")
+    return em.assign(f"{ins[0]}.to({_tl(dtype)})")
+
+
+def _pow(em, node, ins):
+    if not _fl(node) or not _is_float(node.in_avals[1].dtype):
+        raise em.unsupported("pow")
+    x, y = ins
+    # x ** y for x > 0; x == 0 gives 0, 1 or inf; x < 0 an integer power with its sign, or NaN.
+    mag = em.assign(f"tl.exp2({y} * tl.log2(tl.abs({x})))")
+    odd = em.assign(f"(tl.floor({y} * 0.5) * 2.0 != {y})")
+    whole = em.assign(f"(tl.floor({y}) == {y})")
+    return em.assign(f"tl.where({x} < 0, tl.where({whole}, tl.where({odd}, -{mag}, {mag}), float(\"nan\")), {mag})")
+
+
+def _shift_right_logical(em, node, ins):
+    t = _tl(node.out_avals[0].dtype)
+    ut = t.replace("tl.int", "tl.uint")
+    return em.assign(f"({ins[0]}.to({ut}, bitcast=True) >> {ins[1]}.to({ut}, bitcast=True)).to({t}, bitcast=True)")
+
+
+_RULES = {
+    **{name: _binary(op) for name, op in _BINARY.items()},
+    **{name: _unary_tl(fn) for name, fn in _UNARY_TL.items()},
+    **{name: _unary_helper(h) for name, h in _UNARY_HELPER.items()},
+    "div": lambda em, node, ins: em.assign(f"({ins[0]} / {ins[1]})" if _fl(node) else f"({ins[0]} // {ins[1]})"),
+    # Triton's % is C's fmod / srem, as lax.rem (the sign of the dividend).
+    "rem": lambda em, node, ins: em.assign(f"({ins[0]} % {ins[1]})"),
+    "neg": lambda em, node, ins: em.assign(f"(-{ins[0]})"),
+    "not": lambda em, node, ins: em.assign(f"({ins[0]} == 0)" if node.out_avals[0].dtype == jnp.bool_
+                                           else f"(~{ins[0]})"),
+    "max": _max_min,
+    "min": _max_min,
+    "clamp": _clamp,
+    "sign": _sign,
+    "select_n": _select_n,
+    "convert_element_type": _convert,
+    "integer_pow": lambda em, node, ins: em.assign(em.int_pow(ins[0], node.params["y"], _fl(node))),
+    "square": lambda em, node, ins: em.assign(em.int_pow(ins[0], 2, _fl(node))),
+    "pow": _pow,
+    "rsqrt": lambda em, node, ins: em.assign(f"(1.0 / tl.sqrt_rn({ins[0]}))"),
+    "is_finite": lambda em, node, ins: em.assign(f"(tl.abs({ins[0]}) < float(\"inf\"))"),
+    "shift_right_logical": _shift_right_logical,
+}
+# What a mod may use: the table, the identities, one-element reads, index vectors and kept calls.
+SUPPORTED_PRIMITIVES = frozenset(set(_RULES) | VALUE_IDENTITY | READS | {"concatenate", "custom_jvp_call"})
 
 
 def _read_loader(em: _Emitter, cm: CompiledMod, arrays: dict, record: list):
@@ -309,25 +341,13 @@ def _read_loader(em: _Emitter, cm: CompiledMod, arrays: dict, record: list):
         operand = node.ins[0]
         shape = node.in_avals[0].shape
         k = arrays[operand]
-        fill = None
-        if node.prim.name == "dynamic_slice":
-            if any(s != 1 for s in node.params["slice_sizes"]):
-                raise NotImplementedError(f"mod {cm.name!r} slices more than one element of a captured array")
-            raw = [em.value(s, env) for s in node.ins[1:]]
-        else:
-            dn = node.params["dimension_numbers"]
-            comps = em.value(node.ins[1], env)
-            comps = comps if isinstance(comps, list) else [comps]
-            raw = [None] * len(shape)
-            for c, d in zip(comps, dn.start_index_map):
-                raw[d] = c
-            raw = [r if r is not None else "0" for r in raw]
-            if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-                fill = node.params["fill_value"]
-                if fill is None:
-                    fill = np.nan if _is_float(node.out_avals[0].dtype) else 0
-                inside = " & ".join(f"({r} >= 0) & ({r} < {n})" for r, n in zip(raw, shape))
-                fill = (em.assign(f"({inside})"), fill)
+        problem = read_problem(node)
+        if problem is not None:
+            raise NotImplementedError(f"mod {cm.name!r} {problem}")
+        raw, fill = read_indices(node, lambda x: em.value(x, env), "0")
+        if fill is not None:
+            inside = " & ".join(f"({r} >= 0) & ({r} < {n})" for r, n in zip(raw, shape))
+            fill = (em.assign(f"({inside})"), fill)
         idx = [clamp(r, n) for r, n in zip(raw, shape)]
         flat = idx[0]
         for i, n in zip(idx[1:], shape[1:]):
@@ -411,7 +431,7 @@ def _vjp_nodes(cm: CompiledMod, read_dtypes):
     closed = jax.make_jaxpr(g)(scal(score_dt), i32, i32, i32, i32, [scal(d) for d in row_dt],
                                [scal(d) for d in col_dt], [scal(d) for d in read_dtypes], scal(score_dt))
     jaxpr, consts = open_jaxpr(closed)
-    fl = _Flattener(cm.name, "triton")
+    fl = Flattener(cm.name, "triton")
     ins = [fl.new(v.aval) for v in jaxpr.invars]
     const_ins = [fl._const(c) for c in consts]
     outs = fl.run(jaxpr, const_ins + ins, [*jaxpr.constvars, *jaxpr.invars])
