@@ -186,144 +186,208 @@ def _lane_loop(em: _Emitter, fn: str, args: list[str], dtype: str) -> _Val:
     return _lanes(em, f"{fn}({', '.join(f'{a}[_l]' for a in args)})", dtype)
 
 
+class _Ctx:
+    """What a rule reads about one application: the output dtype, whether it is a vector, the
+    first operand's float-ness, and the operands' texts (as vectors when the result is one)."""
+
+    __slots__ = ("em", "node", "ins", "out", "vec", "fl")
+
+    def __init__(self, em: _Emitter, node, ins: list[_Val]):
+        self.em, self.node, self.ins = em, node, ins
+        self.out = em.check_dtype(_dtype_name(node.out_avals[0]))
+        self.vec = any(v.vec for v in ins)
+        self.fl = ins[0].dtype == "float32" if ins else False
+
+    def args(self) -> list[str]:
+        return [self.em.vec(v) if self.vec else v.text for v in self.ins]
+
+    def assign(self, text: str) -> _Val:
+        return self.em.assign(text, self.vec, self.out)
+
+    def call(self, fn: str, args: list[str]) -> _Val:
+        """``fn(args)``: one call on scalars, a lane loop on vectors."""
+        return _lane_loop(self.em, fn, args, self.out) if self.vec else self.assign(f"{fn}({', '.join(args)})")
+
+
 def _op(em: _Emitter, node, ins: list[_Val]) -> _Val:
-    name = node.prim.name
-    out = em.check_dtype(_dtype_name(node.out_avals[0]))
-    vec = any(v.vec for v in ins)
-    fl = ins[0].dtype == "float32" if ins else False
+    rule = _RULES.get(node.prim.name)
+    if rule is None:
+        raise em.unsupported(f"primitive {node.prim.name!r}")
+    return rule(_Ctx(em, node, ins))
 
-    def args():
-        return [em.vec(v) if vec else v.text for v in ins]
 
-    if name in _ARITH:
-        a, b = args()
-        if out == "bool":
-            raise em.unsupported(f"primitive {name!r} on booleans")
-        return em.assign(f"({a} {_ARITH[name]} {b})", vec, out)
-    if name in _CMP:
-        a, b = args()
-        if ins[0].dtype == "bool" and not vec:
-            return em.assign(f"((int)({a}) {_CMP[name]} (int)({b}))", vec, out)
-        return em.assign(f"({a} {_CMP[name]} {b})", vec, out)
-    if name in _BITS:
-        a, b = args()
-        return em.assign(f"({a} {_BITS[name]} {b})", vec, out)
-    if name == "not":
-        (a,) = args()
-        if out == "bool":
-            return em.assign(f"(~{a})" if vec else f"(!{a})", vec, out)
-        return em.assign(f"(~{a})", vec, out)
-    if name == "neg":
-        (a,) = args()
-        return em.assign(f"(-{a})", vec, out)
-    if name == "div":
-        a, b = args()
-        if fl:
-            return em.assign(f"({a} / {b})", vec, out)
-        fn = "fj_udiv" if out == "uint32" else "fj_idiv"
-        return _lane_loop(em, fn, [a, b], out) if vec else em.assign(f"{fn}({a}, {b})", vec, out)
-    if name == "rem":
-        a, b = args()
-        fn = "fmodf" if fl else ("fj_urem" if out == "uint32" else "fj_irem")
-        return _lane_loop(em, fn, [a, b], out) if vec else em.assign(f"{fn}({a}, {b})", vec, out)
-    if name in ("max", "min"):
-        a, b = args()
-        if out == "bool":
-            return em.assign(f"({a} {'|' if name == 'max' else '&'} {b})", vec, out)
-        if fl:
-            fn = ("fj_vmax" if vec else "fj_max") if name == "max" else ("fj_vmin" if vec else "fj_min")
-            return em.assign(f"{fn}({a}, {b})", vec, out)
-        cmp = ">" if name == "max" else "<"
-        return em.assign(f"(({a} {cmp} {b}) ? {a} : {b})", vec, out)
-    if name == "clamp":
-        lo, x, hi = args()
-        if _dtype_name(node.in_avals[1]) == "float32":
-            return em.assign(f"{'fj_vmin' if vec else 'fj_min'}({'fj_vmax' if vec else 'fj_max'}({x}, {lo}), {hi})",
-                             vec, out)
-        t = em.assign(f"(({x} < {lo}) ? {lo} : {x})", vec, out)
-        return em.assign(f"(({t.text} > {hi}) ? {hi} : {t.text})", vec, out)
-    if name == "abs" and not fl:
-        (a,) = args()
-        return em.assign(f"(({a} < 0) ? -{a} : {a})", vec, out)
-    if name in _UNARY:
-        if not fl:
-            raise em.unsupported(f"primitive {name!r} on {ins[0].dtype}")
-        scalar_fn, vec_fn = _UNARY[name]
-        (a,) = args()
-        if not vec:
-            return em.assign(f"{scalar_fn}({a})", vec, out)
-        if vec_fn is not None:
-            return em.assign(f"{vec_fn}({a})", vec, out)
-        return _lane_loop(em, scalar_fn, [a], out)
-    if name == "sign":
-        (a,) = args()
-        if fl:
-            if vec:
-                return em.assign(f"(({a} > 0.0f) ? fj_f(1.0f) : (({a} < 0.0f) ? fj_f(-1.0f) : {a}))", vec, out)
-            return em.assign(f"(({a} > 0.0f) ? 1.0f : (({a} < 0.0f) ? -1.0f : {a}))", vec, out)
+# -- the translation table: primitive -> rule(ctx) -> _Val -------------------------------------
+
+def _arith(op):
+    def rule(c: _Ctx):
+        a, b = c.args()
+        if c.out == "bool":
+            raise c.em.unsupported(f"primitive {c.node.prim.name!r} on booleans")
+        return c.assign(f"({a} {op} {b})")
+    return rule
+
+
+def _cmp(op):
+    def rule(c: _Ctx):
+        a, b = c.args()
+        if c.ins[0].dtype == "bool" and not c.vec:
+            return c.assign(f"((int)({a}) {op} (int)({b}))")
+        return c.assign(f"({a} {op} {b})")
+    return rule
+
+
+def _bits(op):
+    def rule(c: _Ctx):
+        a, b = c.args()
+        return c.assign(f"({a} {op} {b})")
+    return rule
+
+
+def _unary(name):
+    scalar_fn, vec_fn = _UNARY[name]
+
+    def rule(c: _Ctx):
+        if name == "abs" and not c.fl:
+            (a,) = c.args()
+            return c.assign(f"(({a} < 0) ? -{a} : {a})")
+        if not c.fl:
+            raise c.em.unsupported(f"primitive {name!r} on {c.ins[0].dtype}")
+        (a,) = c.args()
+        if c.vec and vec_fn is not None:
+            return c.assign(f"{vec_fn}({a})")
+        return c.call(scalar_fn, [a])
+    return rule
+
+
+def _not(c: _Ctx):
+    (a,) = c.args()
+    return c.assign(f"(!{a})" if c.out == "bool" and not c.vec else f"(~{a})")
+
+
+def _div(c: _Ctx):
+    a, b = c.args()
+    if c.fl:
+        return c.assign(f"({a} / {b})")
+    return c.call("fj_udiv" if c.out == "uint32" else "fj_idiv", [a, b])
+
+
+def _rem(c: _Ctx):
+    return c.call("fmodf" if c.fl else ("fj_urem" if c.out == "uint32" else "fj_irem"), c.args())
+
+
+def _max_min(c: _Ctx):
+    a, b = c.args()
+    is_max = c.node.prim.name == "max"
+    if c.out == "bool":
+        return c.assign(f"({a} {'|' if is_max else '&'} {b})")
+    if c.fl:
+        fn = ("fj_vmax" if c.vec else "fj_max") if is_max else ("fj_vmin" if c.vec else "fj_min")
+        return c.assign(f"{fn}({a}, {b})")
+    return c.assign(f"(({a} {'>' if is_max else '<'} {b}) ? {a} : {b})")
+
+
+def _clamp(c: _Ctx):
+    lo, x, hi = c.args()
+    if _dtype_name(c.node.in_avals[1]) == "float32":
+        return c.assign(f"{'fj_vmin' if c.vec else 'fj_min'}({'fj_vmax' if c.vec else 'fj_max'}({x}, {lo}), {hi})")
+    t = c.assign(f"(({x} < {lo}) ? {lo} : {x})")
+    return c.assign(f"(({t.text} > {hi}) ? {hi} : {t.text})")
+
+
+def _sign(c: _Ctx):
+    (a,) = c.args()
+    if c.fl:
+        one, neg = ("fj_f(1.0f)", "fj_f(-1.0f)") if c.vec else ("1.0f", "-1.0f")
+        return c.assign(f"(({a} > 0.0f) ? {one} : (({a} < 0.0f) ? {neg} : {a}))")
+    if c.vec:
+        return c.assign(f"(({a} > 0) ? fj_i(1) : (({a} < 0) ? fj_i(-1) : fj_i(0)))")
+    return c.assign(f"(({a} > 0) ? 1 : (({a} < 0) ? -1 : 0))")
+
+
+def _is_finite(c: _Ctx):
+    (a,) = c.args()
+    if c.vec:
+        return c.assign(f"(({a} == {a}) & ({a} != INFINITY) & ({a} != -INFINITY))")
+    return c.assign(f"std::isfinite({a})")
+
+
+def _pow(c: _Ctx):
+    if not c.fl or c.ins[1].dtype != "float32":
+        raise c.em.unsupported("primitive 'pow' on integers")
+    return c.call("powf", c.args())
+
+
+def _shift(c: _Ctx):
+    a, b = c.args()
+    name = c.node.prim.name
+    if name == "shift_right_logical" and c.out == "int32":
+        cast, back = ("(vu16)", "(vi16)") if c.vec else ("(uint32_t)", "(int32_t)")
+        return c.assign(f"{back}({cast}({a}) >> {cast}({b}))")
+    return c.assign(f"({a} {'<<' if name == 'shift_left' else '>>'} {b})")
+
+
+def _select_n(c: _Ctx):
+    pred, *cases = c.ins
+    if not c.vec:
+        texts, p = [x.text for x in cases], pred.text
+    else:
+        texts, p = [c.em.vec(x) for x in cases], c.em.vec(pred)
+    if pred.dtype == "bool":
+        return c.assign(f"({p} ? {texts[1]} : {texts[0]})")
+    expr = texts[-1]
+    for i in range(len(texts) - 2, -1, -1):
+        expr = f"(({p} == {i}) ? {texts[i]} : {expr})"
+    return c.assign(expr)
+
+
+def _convert(c: _Ctx):
+    (a,) = c.args()
+    src, out, vec = c.ins[0].dtype, c.out, c.vec
+    if src == out:
+        return c.ins[0]
+    if out == "bool":
+        return c.assign(f"({a} != 0)")
+    if src == "bool":
+        one = {"float32": "1.0f", "int32": "1", "uint32": "1u"}[out]
+        zero = {"float32": "0.0f", "int32": "0", "uint32": "0u"}[out]
         if vec:
-            return em.assign(f"(({a} > 0) ? fj_i(1) : (({a} < 0) ? fj_i(-1) : fj_i(0)))", vec, out)
-        return em.assign(f"(({a} > 0) ? 1 : (({a} < 0) ? -1 : 0))", vec, out)
-    if name == "is_finite":
-        (a,) = args()
-        if vec:
-            return em.assign(f"(({a} == {a}) & ({a} != INFINITY) & ({a} != -INFINITY))", vec, out)
-        return em.assign(f"std::isfinite({a})", vec, out)
-    if name in ("integer_pow", "square"):
-        y = node.params["y"] if name == "integer_pow" else 2
-        return _int_pow(em, ins[0], y, vec, out)
-    if name == "pow":
-        if not fl or ins[1].dtype != "float32":
-            raise em.unsupported("primitive 'pow' on integers")
-        a, b = args()
-        return _lane_loop(em, "powf", [a, b], out) if vec else em.assign(f"powf({a}, {b})", vec, out)
-    if name in ("shift_left", "shift_right_arithmetic", "shift_right_logical"):
-        a, b = args()
-        if name == "shift_right_logical" and out == "int32":
-            cast = "(vu16)" if vec else "(uint32_t)"
-            back = "(vi16)" if vec else "(int32_t)"
-            return em.assign(f"{back}({cast}({a}) >> {cast}({b}))", vec, out)
-        op = "<<" if name == "shift_left" else ">>"
-        return em.assign(f"({a} {op} {b})", vec, out)
-    if name == "select_n":
-        pred, *cases = ins
-        if not vec:
-            if pred.dtype == "bool":
-                return em.assign(f"({pred.text} ? {cases[1].text} : {cases[0].text})", vec, out)
-            expr = cases[-1].text
-            for i in range(len(cases) - 2, -1, -1):
-                expr = f"(({pred.text} == {i}) ? {cases[i].text} : {expr})"
-            return em.assign(expr, vec, out)
-        c = [em.vec(x) for x in cases]
-        if pred.dtype == "bool":
-            return em.assign(f"({em.vec(pred)} ? {c[1]} : {c[0]})", vec, out)
-        p = em.vec(pred)
-        expr = c[-1]
-        for i in range(len(c) - 2, -1, -1):
-            expr = f"(({p} == {i}) ? {c[i]} : {expr})"
-        return em.assign(expr, vec, out)
-    if name == "convert_element_type":
-        (a,) = args()
-        src = ins[0].dtype
-        if src == out:
-            return ins[0]
-        if out == "bool":
-            return em.assign(f"({a} != 0)", vec, out)
-        if src == "bool":
-            one = {"float32": "1.0f", "int32": "1", "uint32": "1u"}[out]
-            zero = {"float32": "0.0f", "int32": "0", "uint32": "0u"}[out]
-            if vec:
-                return em.assign(f"({a} ? {em.vec(_Val(one, False, out))} : {em.vec(_Val(zero, False, out))})", vec,
-                                 out)
-            return em.assign(f"({a} ? {one} : {zero})", vec, out)
-        if src == "float32" and out == "int32":
-            return em.assign(f"{'fj_vf2i' if vec else 'fj_f2i'}({a})", vec, out)
-        if src == "float32" and out == "uint32":
-            raise em.unsupported("a float to uint32 conversion")
-        if vec:
-            return em.assign(f"__builtin_convertvector({a}, {_C_VECTOR[out]})", vec, out)
-        return em.assign(f"(({_C_SCALAR[out]})({a}))", vec, out)
-    raise em.unsupported(f"primitive {name!r}")
+            return c.assign(f"({a} ? {c.em.vec(_Val(one, False, out))} : {c.em.vec(_Val(zero, False, out))})")
+        return c.assign(f"({a} ? {one} : {zero})")
+    if src == "float32" and out == "int32":
+        return c.assign(f"{'fj_vf2i' if vec else 'fj_f2i'}({a})")
+    if src == "float32" and out == "uint32":
+        raise c.em.unsupported("a float to uint32 conversion")
+    if vec:
+        return c.assign(f"__builtin_convertvector({a}, {_C_VECTOR[out]})")
+    return c.assign(f"(({_C_SCALAR[out]})({a}))")
+
+
+_RULES = {
+    **{name: _arith(op) for name, op in _ARITH.items()},
+    **{name: _cmp(op) for name, op in _CMP.items()},
+    **{name: _bits(op) for name, op in _BITS.items()},
+    **{name: _unary(name) for name in _UNARY},
+    "not": _not,
+    "neg": lambda c: c.assign(f"(-{c.args()[0]})"),
+    "div": _div,
+    "rem": _rem,
+    "max": _max_min,
+    "min": _max_min,
+    "clamp": _clamp,
+    "sign": _sign,
+    "is_finite": _is_finite,
+    "integer_pow": lambda c: _int_pow(c.em, c.ins[0], c.node.params["y"], c.vec, c.out),
+    "square": lambda c: _int_pow(c.em, c.ins[0], 2, c.vec, c.out),
+    "pow": _pow,
+    "shift_left": _shift,
+    "shift_right_arithmetic": _shift,
+    "shift_right_logical": _shift,
+    "select_n": _select_n,
+    "convert_element_type": _convert,
+}
+# What a mod may use in the C++ kernel: the table, the identities, one-element reads, index
+# vectors and kept calls (their bodies are emitted in place).
+SUPPORTED_PRIMITIVES = frozenset(set(_RULES) | VALUE_IDENTITY | READS | {"concatenate", "custom_jvp_call"})
 
 
 def _int_pow(em, x: _Val, y: int, vec: bool, out: str) -> _Val:
