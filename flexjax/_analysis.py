@@ -1,4 +1,4 @@
-"""Interval abstract evaluation of a mask_mod's jaxpr: which tiles are all-true or all-false.
+"""Interval abstract evaluation of a mask_mod (its ``_modir.ModIR``): which tiles are all-true or all-false.
 
 Over a tile, ``q_idx`` and ``kv_idx`` range over known intervals (``b`` and ``h`` are
 single values), so the mask_mod's program can be run on intervals instead of points.
@@ -26,9 +26,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 
-from ._jaxpr import call_body
+from ._modir import Lit, flatten, inline_call
 
 
 @dataclasses.dataclass
@@ -132,7 +131,7 @@ def _add(eqn, a, b):
     a, b = _num(a), _num(b)
     if a is TOP or b is TOP:
         return TOP
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     return _arith(dt, a.lo + b.lo, a.hi + b.hi, a.ok & b.ok, (_est(a.lo) + _est(b.lo), _est(a.hi) + _est(b.hi)),
                   (a.lo, a.hi, b.lo, b.hi))
 
@@ -141,7 +140,7 @@ def _sub(eqn, a, b):
     a, b = _num(a), _num(b)
     if a is TOP or b is TOP:
         return TOP
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     return _arith(dt, a.lo - b.hi, a.hi - b.lo, a.ok & b.ok, (_est(a.lo) - _est(b.hi), _est(a.hi) - _est(b.lo)),
                   (a.lo, a.hi, b.lo, b.hi))
 
@@ -158,7 +157,7 @@ def _mul(eqn, a, b):
     a, b = _num(a), _num(b)
     if a is TOP or b is TOP:
         return TOP
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     lo, hi, _ = _corners(jnp.multiply, a, b)
     ests = [_est(x) * _est(y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
     return _arith(dt, lo, hi, a.ok & b.ok, ests, (a.lo, a.hi, b.lo, b.hi))
@@ -168,7 +167,7 @@ def _div(eqn, a, b):
     a, b = _num(a), _num(b)
     if a is TOP or b is TOP:
         return TOP
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     nonzero = (b.lo > 0) | (b.hi < 0)
     safe_b = Num(jnp.where(nonzero, b.lo, 1).astype(b.lo.dtype), jnp.where(nonzero, b.hi, 1).astype(b.hi.dtype), True)
     # Truncating (integer) and rounded (float) division are monotone in each operand
@@ -184,7 +183,7 @@ def _div(eqn, a, b):
 
 def _rem(eqn, a, b):
     a, b = _num(a), _num(b)
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     if a is TOP or b is TOP or _is_float(dt):
         return TOP
     const = (b.lo == b.hi) & (b.lo != 0)
@@ -210,7 +209,7 @@ def _neg(eqn, a):
     a = _num(a)
     if a is TOP:
         return TOP
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     return _arith(dt, -a.hi, -a.lo, a.ok, (-_est(a.hi), -_est(a.lo)), (a.lo, a.hi))
 
 
@@ -218,7 +217,7 @@ def _abs(eqn, a):
     a = _num(a)
     if a is TOP:
         return TOP
-    dt = eqn.outvars[0].aval.dtype
+    dt = eqn.out_avals[0].dtype
     lo = jnp.where(a.lo >= 0, a.lo, jnp.where(a.hi <= 0, -a.hi, 0))
     hi = jnp.maximum(jnp.abs(a.lo), jnp.abs(a.hi))
     return _arith(dt, lo.astype(dt), hi, a.ok, (-_est(a.lo), _est(a.hi)), (a.lo, a.hi))
@@ -278,7 +277,7 @@ def _convert(eqn, a):
 
 
 def _identity(eqn, a, *rest):
-    if eqn.outvars[0].aval.size != 1:
+    if eqn.out_avals[0].size != 1:
         return TOP
     return a
 
@@ -313,14 +312,14 @@ def _compare(kind):
 def _and(eqn, a, b):
     a, b = _bool(a), _bool(b)
     if a is TOP or b is TOP:
-        return TOP if eqn.outvars[0].aval.dtype != jnp.bool_ else _logic_top(a, b, "and")
+        return TOP if eqn.out_avals[0].dtype != jnp.bool_ else _logic_top(a, b, "and")
     return Bool(a.t & b.t, a.f | b.f)
 
 
 def _or(eqn, a, b):
     a, b = _bool(a), _bool(b)
     if a is TOP or b is TOP:
-        return TOP if eqn.outvars[0].aval.dtype != jnp.bool_ else _logic_top(a, b, "or")
+        return TOP if eqn.out_avals[0].dtype != jnp.bool_ else _logic_top(a, b, "or")
     return Bool(a.t | b.t, a.f & b.f)
 
 
@@ -333,14 +332,14 @@ def _logic_top(a, b, kind):
 
 
 def _not(eqn, a):
-    if eqn.outvars[0].aval.dtype != jnp.bool_:
+    if eqn.out_avals[0].dtype != jnp.bool_:
         return TOP
     a = _bool(a)
     return _unknown_bool() if a is TOP else Bool(a.f, a.t)
 
 
 def _xor(eqn, a, b):
-    if eqn.outvars[0].aval.dtype != jnp.bool_:
+    if eqn.out_avals[0].dtype != jnp.bool_:
         return TOP
     a, b = _bool(a), _bool(b)
     if a is TOP or b is TOP:
@@ -349,7 +348,7 @@ def _xor(eqn, a, b):
 
 
 def _select_n(eqn, pred, *cases):
-    out_bool = eqn.outvars[0].aval.dtype == jnp.bool_
+    out_bool = eqn.out_avals[0].dtype == jnp.bool_
     if out_bool:
         cases = [_bool(c) for c in cases]
         if any(c is TOP for c in cases):
@@ -420,7 +419,7 @@ def _floor_log2(n):
 
 def _dynamic_slice(eqn, operand, *starts):
     if not isinstance(operand, Arr) or any(s != 1 for s in eqn.params["slice_sizes"]):
-        return TOP if eqn.outvars[0].aval.dtype != jnp.bool_ else _unknown_bool()
+        return TOP if eqn.out_avals[0].dtype != jnp.bool_ else _unknown_bool()
     shape = operand.value.shape
     tmin, tmax, gmin, gmax = _tables(operand)
     # dynamic_slice clamps each start into [0, dim - 1] (monotone), and so do we.
@@ -471,35 +470,31 @@ _RULES = {
 }
 
 
-def _top_for(var):
-    return _unknown_bool() if var.aval.dtype == jnp.bool_ else TOP
+def _top_for(aval):
+    return _unknown_bool() if aval.dtype == jnp.bool_ else TOP
 
 
-def _eval(jaxpr, consts, args):
-    env = {}
+def _eval(nodes, env: dict, name: str):
+    """Runs ``nodes`` (``_modir.Node``) on abstract values in ``env`` (var id -> value)."""
 
-    def read(v):
-        if isinstance(v, jex_core.Literal):
-            return _const(v.val)
-        return env[v]
+    def read(x):
+        return _const(x.val) if isinstance(x, Lit) else env[x]
 
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = _const(c)
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        sub = call_body(eqn)
-        rule = _RULES.get(eqn.primitive.name)
-        if sub is not None:
-            outs = _eval(sub[0], sub[1], ins)
-        elif rule is not None and len(eqn.outvars) == 1:
-            outs = [rule(eqn, *ins)]
+    for node in nodes:
+        ins = [read(x) for x in node.ins]
+        rule = _RULES.get(node.prim.name)
+        if node.prim.name == "custom_jvp_call":  # an elementwise call the IR keeps whole
+            sub_nodes, sub_ins, sub_outs = inline_call(node, name, "the block-mask analysis")
+            sub_env = dict(zip(sub_ins, ins))
+            _eval(sub_nodes, sub_env, name)
+            outs = [_const(o.val) if isinstance(o, Lit) else sub_env[o] for o in sub_outs]
+        elif rule is not None and len(node.outs) == 1:
+            outs = [rule(node, *ins)]
         else:
-            outs = [_top_for(v) for v in eqn.outvars]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = _top_for(v) if o is TOP else o
-    return [read(v) for v in jaxpr.outvars]
+            outs = [_top_for(a) for a in node.out_avals]
+        for o, aval, val in zip(node.outs, node.out_avals, outs):
+            env[o] = _top_for(aval) if val is TOP else val
+    return env
 
 
 def classify(mask, consts, b, h, q_lo, q_hi, kv_lo, kv_hi):
@@ -514,7 +509,15 @@ def classify(mask, consts, b, h, q_lo, q_hi, kv_lo, kv_hi):
     """
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (b, h, q_lo, q_hi, kv_lo, kv_hi)))
     args = [Num(b, b, True), Num(h, h, True), Num(q_lo, q_hi, True), Num(kv_lo, kv_hi, True)]
-    (out,) = _eval(mask.jaxpr, (), [_const(c) for c in consts] + args)
+    try:
+        ir = flatten(mask, "pallas", bake=True)
+    except NotImplementedError:  # a call whose body cannot be opened: nothing is known
+        out = None
+    else:
+        env = {**{v: _const(c) for v, c in zip(ir.consts, consts)}, **{v: _const(c) for v, c in ir.baked.items()},
+               **dict(zip(ir.args, args))}
+        _eval(ir.nodes, env, mask.name)
+        out = _const(ir.out.val) if isinstance(ir.out, Lit) else env[ir.out]
     if not isinstance(out, Bool):
         out = _unknown_bool()
     return jnp.broadcast_to(out.t, shape), jnp.broadcast_to(out.f, shape)

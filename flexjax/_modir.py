@@ -72,9 +72,17 @@ class Flattener:
     table): one-element ones become literals; with ``bake`` larger ones become vars whose
     values ``baked`` holds (constants the prologue hands the kernel like captured arrays),
     else they are refused.
+
+    ``inline``: None inlines every call of ``CALL_BODY`` but an elementwise ``custom_jvp_call``
+    (the kernels'); a set inlines the calls it names whose body opens and keeps the others
+    as nodes (``TRANSPARENT_CALLS`` keeps derivatives exactly as JAX defines them).
+    ``erase``: erase shape-only primitives on one-element values (off where shapes matter,
+    as when the nodes are bound again as JAX primitives).
     """
 
-    def __init__(self, mod_name: str, backend: str = "pallas", bake: bool = False):
+    def __init__(self, mod_name: str, backend: str = "pallas", bake: bool = False,
+                 inline: frozenset | None = None, erase: bool = True):
+        self.inline, self.erase = inline, erase
         self.backend = backend
         self.nodes: list[Node] = []
         self.avals: dict[int, Any] = {}
@@ -98,14 +106,19 @@ class Flattener:
         for eqn in jaxpr.eqns:
             ins = [self.atom(env, v) for v in eqn.invars]
             name = eqn.primitive.name
-            if name == "custom_jvp_call" and _elementwise_call(eqn):
+            if self.inline is None:
                 # Kept whole, so that differentiating the kernel part uses the function's own
                 # JVP rule (jax.nn.relu's is 0 at 0; its inlined max(x, 0) would give 0.5).
+                keep = name == "custom_jvp_call" and _elementwise_call(eqn)
+            else:
+                keep = name not in self.inline or call_body(eqn) is None
+            if keep:
                 outs = [self.new(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
                                        tuple(v.aval for v in eqn.invars),
                                        tuple(v.aval for v in eqn.outvars)))
-            elif name in SHAPE_ONLY and _size1(eqn.invars[0].aval) and _size1(eqn.outvars[0].aval):
+            elif (self.erase and name in SHAPE_ONLY and _size1(eqn.invars[0].aval)
+                  and _size1(eqn.outvars[0].aval)):
                 outs = [ins[0]]
             elif name in CALL_BODY:
                 body = call_body(eqn)
@@ -194,15 +207,17 @@ class ModIR:
 
 
 @functools.lru_cache(maxsize=512)
-def flatten(mod: StaticMod, backend: str = "pallas", bake: bool = False) -> ModIR:
-    """``mod`` as a ``ModIR``; cached (``backend`` only names the backend in refusals).
+def flatten(mod: StaticMod, backend: str = "pallas", bake: bool = False, inline: frozenset | None = None,
+            erase: bool = True) -> ModIR:
+    """``mod`` as a ``ModIR``; cached (``backend`` only names the backend in refusals; ``bake``,
+    ``inline`` and ``erase`` as ``Flattener``'s).
 
     Raises:
       NotImplementedError: a call primitive whose body cannot be opened, or (without
         ``bake``) an array a nested call closes over.
     """
     jaxpr = mod.jaxpr
-    fl = Flattener(mod.name, backend, bake=bake)
+    fl = Flattener(mod.name, backend, bake=bake, inline=inline, erase=erase)
     ins = [fl.new(v.aval) for v in jaxpr.invars]
     (out,) = fl.run(jaxpr, ins)
     return ModIR(mod.name, tuple(fl.nodes), tuple(ins[: mod.num_consts]), tuple(ins[mod.num_consts:]), out,

@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 from .._api import flex_attention as _flex_attention
 from .._api import register_sharded_dispatch
 from .._block_mask import EMPTY, BlockMask
-from .._jaxpr import TRANSPARENT_CALLS, call_body
+from .._jaxpr import TRANSPARENT_CALLS
+from .._modir import Flattener, Lit, flatten
 from .._spec import check_block_mask, check_qkv, zero_cotangent
 from .._trace import StaticMod, trace_mod
 from ..backends import _softmax
@@ -99,34 +100,40 @@ def _shift(x, offset):
 _SHARDING_PRIMITIVES = ("reshard", "sharding_constraint", "mesh_cast")
 
 
-def _inline(jaxpr, args):
-    """Evaluates ``jaxpr`` in the current trace context, inlining nested calls.
+def _evaluate(nodes, env: dict, outs) -> list:
+    """Binds the IR's nodes in the current trace context (``env``: var id -> value).
 
     Each equation of a jaxpr (and each nested ``jit``) remembers the mesh it was traced
     under, and ``jax.core.eval_jaxpr`` switches back to it: a mod traced under
     ``jax.set_mesh`` with Explicit axes then fails on the Manual-axis values inside
-    ``shard_map``. Calls that do not change derivatives (``jit``, ``jax.checkpoint`` ...,
-    ``_jaxpr.TRANSPARENT_CALLS``) are inlined; sub-jaxprs of other primitives (custom_jvp,
-    cond, ...) are re-traced.
+    ``shard_map``. So the mod runs from its ``_modir`` IR with the calls that do not change
+    derivatives (``jit``, ``jax.checkpoint`` ..., ``_jaxpr.TRANSPARENT_CALLS``) inlined;
+    the sub-jaxprs of the calls it keeps (custom_jvp, cond, ...) are re-traced the same way.
     """
-    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], args, strict=True))
-    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        body = call_body(eqn) if eqn.primitive.name in TRANSPARENT_CALLS else None
-        if body is not None:
-            inner, consts = body
-            outs = _inline(inner, [*consts, *invals])
-        elif eqn.primitive.name in _SHARDING_PRIMITIVES:
+
+    def read(x):
+        return x.val if isinstance(x, Lit) else env[x]
+
+    for node in nodes:
+        invals = [read(x) for x in node.ins]
+        if node.prim.name in _SHARDING_PRIMITIVES:
             # Placement on the outer mesh (e.g. a constant built under jax.set_mesh);
             # inside the shard every value is local.
-            outs = invals
+            results = invals
         else:
-            params = {k: _retrace(v) for k, v in eqn.params.items()}
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+            params = {k: _retrace(v) for k, v in node.params.items()}
+            results = node.prim.bind(*invals, **node.prim.get_bind_params(params))
+            results = results if node.prim.multiple_results else [results]
+        env.update(zip(node.outs, results, strict=True))
+    return [read(o) for o in outs]
+
+
+def _evaluate_jaxpr(jaxpr, args, name: str = "a mod's call"):
+    fl = Flattener(name, "sharding", bake=True, inline=TRANSPARENT_CALLS, erase=False)
+    invars = [*jaxpr.constvars, *jaxpr.invars]
+    ins = [fl.new(v.aval) for v in invars]
+    outs = fl.run(jaxpr, ins, invars)
+    return _evaluate(fl.nodes, {**dict(zip(ins, args, strict=True)), **fl.baked}, outs)
 
 
 def _retrace(param):
@@ -136,12 +143,14 @@ def _retrace(param):
         return param
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
              for v in param.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: _inline(param.jaxpr, [*param.consts, *a]))(*avals)
+    return jax.make_jaxpr(lambda *a: _evaluate_jaxpr(param.jaxpr, [*param.consts, *a]))(*avals)
 
 
 def _call(mod: StaticMod, consts, *args):
     """A traced mod applied to scalar arguments, in the current trace context."""
-    (out,) = _inline(mod.jaxpr, [*consts, *args])
+    ir = flatten(mod, "sharding", bake=True, inline=TRANSPARENT_CALLS, erase=False)
+    env = {**dict(zip((*ir.consts, *ir.args), (*consts, *args), strict=True)), **ir.baked}
+    (out,) = _evaluate(ir.nodes, env, [ir.out])
     return out
 
 
