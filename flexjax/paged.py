@@ -42,6 +42,7 @@ from ._block_mask import (  # noqa: F401 (decode_block_mask and select_rows are 
 from ._factory import int_array
 from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
+from .backends import available_backends, get_backend
 from .backends._contract import TileLists
 
 
@@ -324,9 +325,10 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     """
     from .backends._common import acc_dtype
 
-    if backend not in (None, "xla", "pallas"):
-        raise NotImplementedError(f"flexjax.paged.flex_attention has xla and pallas paths; got backend={backend!r}, "
-                                  "pass backend=None, 'xla' or 'pallas'")
+    paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
+    if backend is not None and backend not in paged_backends:
+        raise NotImplementedError(f"flexjax.paged.flex_attention has {' and '.join(paged_backends)} paths; got "
+                                  f"backend={backend!r}, pass backend=None or one of {paged_backends}")
     if kernel_options and backend != "pallas":
         raise ValueError(f"flexjax.paged.flex_attention takes kernel_options with backend='pallas' only, got "
                          f"{sorted(kernel_options)}")
@@ -374,22 +376,11 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=Sq, kv_len=kv_len,
                          block_size=block_mask.block_size, kernel_options=tuple(sorted((kernel_options or {}).items())))
     name = backend or "xla"
-    if name == "pallas":
-        from .backends import pallas
-        from .backends.pallas import _decode as pallas_decode
-
-        pallas.validate_options(spec)
-        reason = pallas.supports(spec, query, *_logical_like(B, kv_len, k_pages, v_pages))
-        if reason is not None:
-            raise NotImplementedError(f"backend 'pallas' cannot serve this paged call: {reason}")
-        o = pallas._resolve(spec, D, query.dtype)
-        if not pallas_decode.serves(spec, query, o):
-            raise NotImplementedError(f"the pallas paged kernel serves Sq <= {pallas_decode.DECODE_MAX_Q}, got Sq={Sq} "
-                                      f"on {jax.default_backend()}; pass backend='xla'")
-        if o.target == "tpu":
-            reason = pallas_decode.tpu_reason(spec, query, v_pages, lists, pallas._mods(spec, o))
-            if reason is not None:
-                raise NotImplementedError(f"the pallas paged kernel cannot serve this call on TPU: {reason}")
+    impl = get_backend(name)
+    impl.validate_options(spec)
+    reason = impl.supports_paged(spec, query, *_logical_like(B, kv_len, k_pages, v_pages), lists)
+    if reason is not None:
+        raise NotImplementedError(f"backend {name!r} cannot serve this paged call: {reason}")
     out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists, pt)
     return results(out, lse, max_scores, sinks, return_lse, return_aux)
 
@@ -401,28 +392,7 @@ def _logical_like(B: int, kv_len: int, k_pages, v_pages):
 
 
 def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-    if name == "pallas":
-        from .backends import pallas
-        from .backends.pallas import _decode as pallas_decode
-
-        o = pallas._resolve(spec, q.shape[-1], q.dtype)
-        return pallas_decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists, o,
-                                                    pallas._mods(spec, o), page_table=page_table)
-    from .backends import cpu
-
-    k_like, v_like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages)
-    if cpu.reason(spec, q, k_like, v_like, score_consts, mask_consts, None) is None:
-        # The C++ kernel reads each tile from its page (AVX-512 CPUs with a C++ compiler).
-        return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
-                                 _xla_paged_forward)
-    return _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists)
-
-
-def _xla_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
-    from .backends import _decode
-
-    return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
-                                          page_table=page_table)
+    return get_backend(name).paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists)
 
 
 # Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
@@ -440,7 +410,6 @@ def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, pa
 
 def _paged_jvp(name, spec, primals, tangents):
     from ._autodiff import attention_jvp
-    from .backends import get_backend
 
     def forward(q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
         return _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)

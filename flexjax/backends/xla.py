@@ -156,6 +156,37 @@ BACKWARD = (
     Implementation("cpu_kernel", _cpu_backward_reason),
     Implementation("loops", always),
 )
+# The forward over paged KV pools (``flexjax.paged``): the C++ kernel reads each tile from its
+# page in place; else the decode path gathers the tiles it reads through the page table.
+PAGED_FORWARD = (
+    Implementation("cpu_kernel", _cpu_reason),
+    Implementation("decode", always),
+)
+
+
+def supports_paged(spec, q, k, v, lists) -> str | None:
+    """None: the xla backend serves every paged call (``k`` / ``v`` stand for the logical cache)."""
+    return None
+
+
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
+    """``forward_with_residuals`` over page pools (num_pages, page_size, Hkv, .) and a page
+    table (B, max_pages); ``spec.kv_len`` is max_pages * page_size."""
+    k_like, v_like = (jax.ShapeDtypeStruct((q.shape[0], spec.kv_len) + x.shape[2:], x.dtype)
+                      for x in (k_pages, v_pages))
+    name, _ = first_serving(PAGED_FORWARD, spec=spec, q=q, k=k_like, v=v_like, score_consts=score_consts,
+                            mask_consts=mask_consts, dropout_seed=None)
+    if name == "cpu_kernel":
+        from . import cpu
+        return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
+                                 _decode_paged_forward)
+    return _decode_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists)
+
+
+def _decode_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
+    from . import _decode
+    return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
+                                          page_table=page_table)
 
 
 # -- tiles ---------------------------------------------------------------------------------

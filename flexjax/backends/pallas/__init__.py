@@ -221,6 +221,30 @@ FORWARD = (Implementation("decode", _decode_reason), Implementation("tiled", alw
 BACKWARD = (Implementation("tiled", always),)
 
 
+def supports_paged(spec, q, k, v, lists) -> str | None:
+    """None where the decode kernel serves a paged call (``k`` / ``v`` stand for the logical cache)."""
+    reason = supports(spec, q, k, v)
+    if reason is not None:
+        return reason
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    if not _decode.serves(spec, q, o):
+        return (f"the pallas paged kernel serves Sq <= {_decode.DECODE_MAX_Q}, got Sq={spec.q_len} on "
+                f"{jax.default_backend()}; pass backend='xla'")
+    if o.target == "tpu":
+        reason = _decode.tpu_reason(spec, q, v, lists, _mods(spec, o))
+        if reason is not None:
+            return f"the pallas paged kernel cannot serve this call on TPU: {reason}"
+    return None
+
+
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
+    """``forward_with_residuals`` over page pools and a page table: the decode kernel reads each
+    tile from its page."""
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists, o,
+                                          _mods(spec, o), page_table=page_table)
+
+
 def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
