@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _dropout
 from ._autodiff import attention_jvp
-from ._block_mask import BlockMask, full_block_mask
+from ._block_mask_type import BlockMask, full_block_mask
 from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are public here)
     AttentionSpec,
     AuxOutput,

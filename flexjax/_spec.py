@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._block_mask import BlockMask, check_broadcast
+from ._block_mask_type import BlockMask, check_broadcast
 from ._trace import StaticMod
 from .backends import _softmax
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dropout
-from ._block_mask import (  # noqa: F401 (decode_block_mask and select_rows are public here)
+from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows are public here)
     EMPTY,
     FULL,
     PARTIAL,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flexjax
-from flexjax import _block_mask, masks
+from flexjax import _block_mask, _block_mask_type, masks
 
 LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -105,7 +105,7 @@ def test_large_grids_never_sort_a_state_array():
     def refuse(*args, **kwargs):
         raise AssertionError("an nQ x nKV state array was sorted")
 
-    with mock.patch.object(_block_mask, "_np_lists", refuse):
+    with mock.patch.object(_block_mask_type, "_np_lists", refuse):  # (where lists_from_states finds it)
         bm = flexjax.create_block_mask(masks.causal, None, None, 1 << 15, 1 << 15)
     assert bm.kv_indices.shape == (1, 1, 256, 1) and bm.full_kv_indices.shape == (1, 1, 256, 255)
     assert abs(bm.sparsity() - 100 * (1 - (256 * 257 / 2) / 256**2)) < 1e-9

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .._block_mask import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
+from .._block_mask_type import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
 from ._contract import TileLists
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .._block_mask import EMPTY, FULL, PARTIAL, _states_from_lists, lists_from_states
+from .._block_mask_type import EMPTY, FULL, PARTIAL, _states_from_lists, lists_from_states
 from . import _softmax
 from ._common import acc_dtype, allowed, apply_score_mod
 from ._contract import Residuals

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._api import flex_attention as _flex_attention
 from .._api import register_sharded_dispatch
-from .._block_mask import EMPTY, BlockMask
+from .._block_mask_type import EMPTY, BlockMask
 from .._jaxpr import TRANSPARENT_CALLS
 from .._modir import Flattener, Lit, flatten
 from .._spec import check_block_mask, check_qkv, zero_cotangent
