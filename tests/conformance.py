@@ -272,3 +272,31 @@ def test_traced_block_mask_under_jit(target):
     ids = jnp.asarray(np.searchsorted([20, 70], np.arange(S), side="right"), jnp.int32)
     np.testing.assert_allclose(attention(target.kw())(q, k, v, ids), attention({"backend": "reference"})(q, k, v, ids),
                                atol=2e-5, rtol=2e-5)
+
+
+# -- dropout (the harness of test_dropout_kernels.py: the backend's forward and backward
+# against jax.vjp of the dense math with the same keep mask) -----------------------------------
+
+@pytest.mark.parametrize("target,name", _params(select=lambda t: t.backend != "reference",
+                                                values=lambda t: [(n, n) for n in ("causal", "causal+relative_bias")],
+                                                slow=lambda t: t.backend == "pallas"))
+def test_dropout_matches_dense(target, name):
+    from test_dropout_kernels import check
+
+    check(get_backend(target.backend), name, target.options)
+
+
+@pytest.mark.parametrize("target", _params(select=lambda t: bool(t.tiles.get("split")),
+                                           slow=lambda t: t.backend == "pallas"))
+def test_dropout_tiles_agree(target):
+    """Other tiles (splitting the mask's blocks) regenerate the same keep mask: the same out and grads."""
+    from test_dropout_kernels import RATE, case, key_and_mask, run
+
+    backend = get_backend(target.backend)
+    make, q, k, v, do, dlse, sc, mc, lists = case("causal+relative_bias")
+    seed, _ = key_and_mask(make(RATE), q, k)
+    a = run(backend, make(RATE, target.options), q, k, v, do, dlse, sc, mc, lists, seed)
+    b = run(backend, make(RATE, {**(target.options or {}), **target.tiles["split"]}), q, k, v, do, dlse, sc, mc,
+            lists, seed)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)

@@ -59,7 +59,7 @@ def case(name, shape=SHAPE, block_size=64, dtype=jnp.float32, seed=0):
                              block_size=bm.block_size, kernel_options=tuple(sorted((kernel_options or {}).items())),
                              kv_band=bm.kv_band, dropout_rate=rate)
 
-    lists = tuple(bm.tree_flatten()[0][:8])
+    lists = bm.tile_lists()
     return spec, q, k, v, do, dlse, score_consts, tuple(bm.mask_consts), lists
 
 
@@ -128,35 +128,9 @@ def check(backend, name, kernel_options=None, shape=SHAPE, block_size=64, dtype=
     return got
 
 
-@pytest.mark.parametrize("name, options", [
-    # The GPU template's dropout is also checked through flex_attention in test_training_features.
-    pytest.param("causal+relative_bias", None, id="causal+relative_bias-gpu", marks=pytest.mark.slow),
-    # The TPU template's dropout: lowered in the default suite (test_dropout_lowers), run here
-    # under `make test-all`.
-    pytest.param("causal+relative_bias", TPU_INTERPRET, id="causal+relative_bias-tpu", marks=pytest.mark.slow),
-    # The plain mask is covered by the table entry's tiles; `make test-all` runs it alone too.
-    pytest.param("causal", None, id="causal-gpu", marks=pytest.mark.slow),
-    pytest.param("causal", TPU_INTERPRET, id="causal-tpu", marks=pytest.mark.slow),
-])
-def test_dropout_matches_dense(name, options):
-    check(pallas, name, options)
-
-
 @pytest.mark.slow
 def test_dropout_mha_shape():
     check(pallas, "causal+relative_bias", shape=(2, 64, 64, 2, 2, 16), block_size=32)
-
-
-@pytest.mark.slow  # test_triton_dropout.py's test_dropout_tiles_agree and the xla one stay in their default sets
-def test_dropout_tiles_agree():
-    """Other tiles (splitting the mask's blocks) regenerate the same mask: the same out and grads."""
-    make, q, k, v, do, dlse, sc, mc, lists = case("causal+relative_bias")
-    seed, _ = key_and_mask(make(RATE), q, k)
-    a = run(pallas, make(RATE), q, k, v, do, dlse, sc, mc, lists, seed)
-    b = run(pallas, make(RATE, {"block_q": 32, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 32}),
-            q, k, v, do, dlse, sc, mc, lists, seed)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # `make test-all`; test_training_features checks rate 0 bitwise through flex_attention

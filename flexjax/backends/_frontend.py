@@ -10,6 +10,7 @@ captured arrays on the way).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import jax
@@ -20,6 +21,43 @@ from ._contract import Residuals
 from ._layout import geometry, pad_axis, score_const_grads
 
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptionsBase:
+    """The kernel_options every kernel backend takes; a backend's ``KernelOptions`` adds its own.
+
+    Tiles must divide the BlockMask's block or be multiples of it.
+
+    Attributes:
+      target: the platform to emit kernels for whatever the host; default the host's (the
+        interpreter on a CPU host).
+      interpret: run the kernels in an interpreter on the host; default True on a CPU host
+        when no target is given.
+      block_q, block_kv: forward tile.
+      bwd_block_q, bwd_block_kv: tile of both backward kernels.
+      num_warps, num_stages: forward Triton launch parameters (GPU).
+      bwd_num_warps, bwd_num_stages: backward Triton launch parameters (GPU).
+    """
+
+    target: str | None = None
+    interpret: bool | None = None
+    block_q: int | None = None
+    block_kv: int | None = None
+    bwd_block_q: int | None = None
+    bwd_block_kv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bwd_num_warps: int | None = None
+    bwd_num_stages: int | None = None
+
+
+def target_and_interpret(spec, host_target: str | None) -> tuple[str | None, bool]:
+    """The call's target (the option, else the host's) and whether it runs interpreted (the
+    option, else when there is no target)."""
+    target = spec.options.get("target") or host_target
+    interpret = spec.options.get("interpret")
+    return target, bool(target is None if interpret is None else interpret)
 
 # kernel_options of the kernel backends (pallas, triton): tiles and Triton launch parameters.
 TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")

@@ -17,6 +17,7 @@ from ..._modcompiler import compile_mod
 from .._contract import Implementation, always, first_serving, never_raises
 from .._frontend import (
     TILE_FIELDS,
+    KernelOptionsBase,
     backward_inputs,
     backward_results,
     basic_reason,
@@ -26,6 +27,7 @@ from .._frontend import (
     forward_results,
     pow2_dim,
     prepare,
+    target_and_interpret,
 )
 from .._layout import Mods, prologues
 from . import _decode, _gpu, _tpu
@@ -36,35 +38,16 @@ _TARGETS = ("cuda", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptions:
-    """Options of the pallas backend (``flex_attention(..., kernel_options={...})``).
+class KernelOptions(KernelOptionsBase):
+    """Options of the pallas backend (``flex_attention(..., kernel_options={...})``): those of
+    ``_frontend.KernelOptionsBase``.
 
-    Tiles must divide the BlockMask's block or be multiples of it.
-
-    Attributes:
-      target: "cuda" or "tpu": the kernel to emit; default the host's platform (the GPU
-        template in interpret mode on CPU). On a host without a GPU, JAX 0.11 lowers
-        "cuda" kernels only inside ``jax.sharding.use_abstract_mesh(AbstractMesh((1,),
-        ("x",), abstract_device=AbstractDevice("NVIDIA H100", 1, "cuda")))``, which names
-        the GPU to compile for (0.10 assumed sm_90).
-      interpret: run the kernels in Pallas' interpreter; default True on a CPU host when
-        no target is given.
-      block_q, block_kv: forward tile.
-      bwd_block_q, bwd_block_kv: tile of both backward kernels.
-      num_warps, num_stages: forward Triton launch parameters (cuda).
-      bwd_num_warps, bwd_num_stages: backward Triton launch parameters (cuda).
+    ``target`` is "cuda" or "tpu"; on a host without a GPU, JAX 0.11 lowers "cuda" kernels
+    only inside ``jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",),
+    abstract_device=AbstractDevice("NVIDIA H100", 1, "cuda")))``, which names the GPU to
+    compile for (0.10 assumed sm_90). On a CPU host without a target the GPU template runs
+    in Pallas' interpreter.
     """
-
-    target: str | None = None
-    interpret: bool | None = None
-    block_q: int | None = None
-    block_kv: int | None = None
-    bwd_block_q: int | None = None
-    bwd_block_kv: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    bwd_num_warps: int | None = None
-    bwd_num_stages: int | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
@@ -137,13 +120,9 @@ def _host_target() -> str | None:
 
 
 def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
-    opts = spec.options
-    target = opts.get("target") or _host_target()
-    interpret = opts.get("interpret")
-    if interpret is None:
-        interpret = target is None
+    target, interpret = target_and_interpret(spec, _host_target())
     default = heuristics("interpret" if interpret else target, spec.block_size, head_dim, dtype)
-    return fill(KernelOptions, spec, default, target=target, interpret=bool(interpret))
+    return fill(KernelOptions, spec, default, target=target, interpret=interpret)
 
 
 def _compile_target(o: KernelOptions) -> str:

@@ -21,6 +21,7 @@ from ..._modcompiler import compile_mod
 from .._contract import Implementation, always, never_raises
 from .._frontend import (
     TILE_FIELDS,
+    KernelOptionsBase,
     backward_inputs,
     backward_results,
     basic_reason,
@@ -30,6 +31,7 @@ from .._frontend import (
     forward_results,
     pow2_dim,
     prepare,
+    target_and_interpret,
 )
 from .._layout import Mods, prologues
 from . import _codegen, _kernels, _launch, _templates, _versions
@@ -40,42 +42,27 @@ _TARGETS = ("cuda",)
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptions:
-    """Options of the triton backend (``flex_attention(..., kernel_options={...})``).
+class KernelOptions(KernelOptionsBase):
+    """Options of the triton backend (``flex_attention(..., kernel_options={...})``): those of
+    ``_frontend.KernelOptionsBase`` and the two below.
 
-    Tiles are multiples of 16 that divide the BlockMask's block or are multiples of it. The
-    lists are walked at the tile's granularity; a tile that is not a power of two (192, or a
-    BlockMask block of 48) runs as power-of-two kernel tiles, the largest dividing it
-    (``_kernel_tile``), a few sub-steps per tile, as the pallas backend walks sub-tiles.
+    ``target`` is "cuda" (jax_triton GPU kernels whatever the host); on a CPU host without
+    one the kernels run under Triton's interpreter. Tiles are multiples of 16 that divide
+    the BlockMask's block or are multiples of it. The lists are walked at the tile's
+    granularity; a tile that is not a power of two (192, or a BlockMask block of 48) runs
+    as power-of-two kernel tiles, the largest dividing it (``_kernel_tile``), a few
+    sub-steps per tile, as the pallas backend walks sub-tiles. Unset tiles and launch
+    parameters come from the heuristics' table row, fitted to the BlockMask's block by ``_fit``.
 
     Attributes:
-      target: "cuda": emit GPU kernels (jax_triton) whatever the host; default the host's
-        GPU, or the interpreter on a CPU host.
-      interpret: run the kernels under Triton's interpreter on the host; default True on
-        a CPU host when no target is given.
       compute_capability: the GPU to compile for, as 80 (sm_80) or 90 (sm_90); default
         the device's, 90 when lowering from a CPU host. Also selects the heuristics' table.
-      block_q, block_kv: forward tile; default the heuristics' table row, fitted to the
-        BlockMask's block by ``_fit``.
-      bwd_block_q, bwd_block_kv: tile of both backward kernels.
-      num_warps, num_stages: forward Triton launch parameters.
-      bwd_num_warps, bwd_num_stages: backward Triton launch parameters.
       autotune: search a few (num_warps, num_stages) configs per kernel with
         ``triton.autotune`` at the first run (GPU only); given warps / stages restrict
         the search to those values.
     """
 
-    target: str | None = None
-    interpret: bool | None = None
     compute_capability: int | None = None
-    block_q: int | None = None
-    block_kv: int | None = None
-    bwd_block_q: int | None = None
-    bwd_block_kv: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    bwd_num_warps: int | None = None
-    bwd_num_stages: int | None = None
     autotune: bool | None = None
 
 
@@ -211,10 +198,7 @@ def _host_target() -> str | None:
 
 def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
     opts = spec.options
-    target = opts.get("target") or _host_target()
-    interpret = opts.get("interpret")
-    if interpret is None:
-        interpret = target is None
+    target, interpret = target_and_interpret(spec, _host_target())
     cc = opts.get("compute_capability") or _device_capability() or 90
     if interpret:
         # Interpret mode: the mask's own block (regrouped only where its power-of-two part is
