@@ -272,8 +272,9 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, score_mod: Calla
     context = dict(spec=call.spec, q=query, k=key, v=value, score_consts=call.score_consts,
                    mask_consts=call.mask_consts, lists=call.lists, dropout_seed=seed)
     grads = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in call.score_consts)
-    fwd, fwd_skipped = first_serving(implementations(impl, "FORWARD"), **context)
-    bwd, bwd_skipped = first_serving(implementations(impl, "BACKWARD"), **context, grad_consts=grads)
+    fwd, fwd_skipped = first_serving(implementations(impl, "FORWARD"), f"{impl.NAME} forward", **context)
+    bwd, bwd_skipped = first_serving(implementations(impl, "BACKWARD"), f"{impl.NAME} backward", **context,
+                                     grad_consts=grads)
     return Explanation(impl.NAME, fwd, bwd, tuple(skipped), tuple(fwd_skipped), tuple(bwd_skipped))
 
 

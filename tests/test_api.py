@@ -182,3 +182,28 @@ def test_grads_with_and_without_captured_table_differentiated(backend):
     np.testing.assert_allclose(np.asarray(dq_only), np.asarray(want_dq), atol=2e-5)
     np.testing.assert_allclose(np.asarray(dq), np.asarray(want_dq), atol=2e-5)
     np.testing.assert_allclose(np.asarray(dtable), np.asarray(want_dtable), atol=2e-5)
+
+
+def test_explain_reports_fallbacks_and_the_log_says_the_same(caplog):
+    """explain() names the backend and the implementation of each pass, with the reason each
+    one tried before was passed over; the DEBUG log of a real call says the same."""
+    import logging
+
+    q = jnp.zeros((1, 128, 4, 16))
+    kv = jnp.zeros((1, 128, 2, 16))
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, 128, 128, block_size=64)
+    table = jnp.zeros((4, 255))
+    report = flexjax.explain(q, kv, kv, flexjax.mods.relative_bias(table), bm, backend="xla",
+                             kernel_options={"cpu_kernel": False})
+    assert (report.backend, report.forward, report.backward) == ("xla", "band", "loops")
+    assert dict(report.skipped_forward)["cpu_kernel"] == "kernel_options cpu_kernel=False"
+    assert "decode" in dict(report.skipped_forward)
+    assert "skipped backward 'cpu_kernel'" in str(report)
+    with caplog.at_level(logging.DEBUG, logger="flexjax"):
+        jax.grad(lambda t: flexjax.flex_attention(q, kv, kv, flexjax.mods.relative_bias(t), bm, backend="xla",
+                                                  kernel_options={"cpu_kernel": False}).sum())(table)
+    assert any("xla forward runs 'band'" in r.getMessage() for r in caplog.records)
+    assert any("xla backward runs 'loops'" in r.getMessage() and "cpu_kernel=False" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ValueError, match="not by backend='reference'"):
+        flexjax.explain(q, kv, kv, backend="reference", kernel_options={"block_q": 64})

@@ -14,11 +14,14 @@ This module imports nothing from flexjax: every layer may use it.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+
+_LOG = logging.getLogger("flexjax")
 
 
 class TileLists(NamedTuple):
@@ -150,16 +153,23 @@ def _guarded(impl: Implementation, context: dict) -> str | None:
         return f"{type(e).__name__} while checking ({e}); this is a flexjax bug, please report it"
 
 
-def first_serving(implementations: Sequence[Implementation], **context) -> tuple[str, list[tuple[str, str]]]:
+def first_serving(implementations: Sequence[Implementation], label: str = "", **context
+                  ) -> tuple[str, list[tuple[str, str]]]:
     """The name of the first implementation that serves, and (name, reason) for each one passed over.
 
     The last implementation of every list serves everything it is given (its ``supports``
-    returns None), so a pass always has one.
+    returns None), so a pass always has one. ``label`` names the pass in the log ("xla
+    forward"). Each choice is logged at DEBUG level on the
+    "flexjax" logger (``logging.getLogger("flexjax").setLevel(logging.DEBUG)``), with the
+    reasons of those passed over: the same sentences ``flexjax.explain`` returns.
     """
     skipped = []
     for impl in implementations:
         reason = _guarded(impl, context)
         if reason is None:
+            if _LOG.isEnabledFor(logging.DEBUG):
+                passed = "".join(f"; not {n!r}: {r}" for n, r in skipped)
+                _LOG.debug("flexjax: %s runs %r%s", label or "a pass", impl.name, passed)
             return impl.name, skipped
         skipped.append((impl.name, reason))
     raise NotImplementedError("no implementation serves this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))

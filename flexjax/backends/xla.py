@@ -174,8 +174,8 @@ def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_cons
     table (B, max_pages); ``spec.kv_len`` is max_pages * page_size."""
     k_like, v_like = (jax.ShapeDtypeStruct((q.shape[0], spec.kv_len) + x.shape[2:], x.dtype)
                       for x in (k_pages, v_pages))
-    name, _ = first_serving(PAGED_FORWARD, spec=spec, q=q, k=k_like, v=v_like, score_consts=score_consts,
-                            mask_consts=mask_consts, dropout_seed=None)
+    name, _ = first_serving(PAGED_FORWARD, "xla paged forward", spec=spec, q=q, k=k_like, v=v_like,
+                            score_consts=score_consts, mask_consts=mask_consts, dropout_seed=None)
     if name == "cpu_kernel":
         from . import cpu
         return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
@@ -531,8 +531,8 @@ def _prepare(spec, q, k, lists, backward: bool):
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
     """out, lse and, for the backward, each row's ``Residuals`` (B, Hq, Sq)."""
-    name, _ = first_serving(FORWARD, spec=spec, q=q, k=k, v=v, score_consts=score_consts, mask_consts=mask_consts,
-                            dropout_seed=dropout_seed)
+    name, _ = first_serving(FORWARD, "xla forward", spec=spec, q=q, k=k, v=v, score_consts=score_consts,
+                            mask_consts=mask_consts, dropout_seed=dropout_seed)
     if name == "cpu_kernel":
         from . import cpu
         return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists, _xla_forward)
@@ -580,8 +580,8 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``: P is recomputed from the
     row max and log-sum, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
     """
-    name, _ = first_serving(BACKWARD, spec=spec, q=q, k=k, v=v, score_consts=score_consts, mask_consts=mask_consts,
-                            dropout_seed=dropout_seed, grad_consts=grad_consts)
+    name, _ = first_serving(BACKWARD, "xla backward", spec=spec, q=q, k=k, v=v, score_consts=score_consts,
+                            mask_consts=mask_consts, dropout_seed=dropout_seed, grad_consts=grad_consts)
     if name == "cpu_kernel":  # dq, dk, dv as one fused C++ call (no gradients of captured arrays)
         from . import cpu
         dq, dk, dv = cpu.backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals,

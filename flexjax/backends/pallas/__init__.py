@@ -236,7 +236,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     """
     o = _resolve(spec, q.shape[-1], q.dtype)
     mods = _mods(spec, o)
-    name, _ = first_serving(FORWARD, spec=spec, q=q, k=k, v=v, lists=lists)
+    name, _ = first_serving(FORWARD, "pallas forward", spec=spec, q=q, k=k, v=v, lists=lists)
     if name == "decode":
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
