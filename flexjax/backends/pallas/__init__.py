@@ -30,6 +30,7 @@ from .._frontend import (
     target_and_interpret,
 )
 from .._layout import Mods, prologues
+from .._tile_tables import PALLAS_SM90
 from . import _decode, _gpu, _tpu
 
 NAME = "pallas"
@@ -53,49 +54,19 @@ class KernelOptions(KernelOptionsBase):
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 
 
-# sm_90 tiles and launch parameters per (16-bit or float32, padded head dim): (fwd block_q,
-# block_kv, warps, stages, bwd block_q, bwd block_kv, warps, stages). Each row is the
-# measured choice of `make test-compile` (H100 target, ptxas -v; worst case over the catalog
-# and MHA/GQA, usually a table-reading score_mod: relative_bias or t5; the regs/spills
-# quoted are per thread, bwd as dQ / dK/dV). The limit is 227 KiB of shared memory per
-# block and 255 registers per thread; a spill in bf16/f16 fails the suite, f32 may use 1 KB.
-_CUDA = {
-    # fwd 128x64/4w/3st: 255 regs, 0 spills, 128 KiB smem. bwd 64x64/4w: dQ spilled 668 B
-    # (document+t5), dK/dV 8 B; 32x64/8w/2st: 217 / 142 regs, 0 spills.
-    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
-    # fwd 128x64/8w/3st: 254 regs, 0 spills, 192 KiB. bwd 64x64/8w: dQ spilled 148 B
-    # (document+t5), dK/dV 32 B; 32x64/8w/2st: 248 / 200 regs, 0 spills.
-    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
-    # fwd 128x64/3st needs 256 KiB; 128x32/8w/3st: 250 regs, 192 KiB. bwd 32x64/8w: dK/dV
-    # spilled 24 B (neg_inf_score); 16x64/8w/2st: 179 / 212 regs, 0 spills, 86 KiB.
-    (2, 256): (128, 32, 8, 3, 16, 64, 8, 2),
-    # fwd 128x64/4w spilled 88-292 B, 8w 0 B; 128x32/8w: 204 regs, 104 KiB. bwd 64x64/4w:
-    # dQ spilled 752 B (relative_bias), 8w 116 B (document+t5); 32x64/8w/2st: 244 / 234
-    # regs, 0 spills.
-    (4, 64): (128, 32, 8, 3, 32, 64, 8, 2),
-    # fwd 128x64/3st needs 288 KiB with relative_bias (its table gather stages in smem),
-    # 128x32/8w spilled 24 B; 32x64/8w/2st: 173 regs, 96 KiB. bwd 16x32/8w: dK/dV spilled
-    # 16 B (neg_inf_score GQA, ptxas stopped at 128 regs), 32x32/8w 24 B; 16x64/8w/1st:
-    # 244 / 254 regs, 0 spills, 84 KiB.
-    (4, 128): (32, 64, 8, 2, 16, 64, 8, 1),
-    # fwd 64x32/8w spilled 1.9 KB; 32x64/8w/2st: 253 regs, 176 KiB. bwd 16x16/4w: 255 /
-    # 255 regs, 0 spills (the edge), 8w: dK/dV 40 B; 32x32/8w 32 B; 16x64/8w 1.4 KB;
-    # 16x32/8w/1st: 255 / 182 regs, 0 spills, 96 KiB.
-    (4, 256): (32, 64, 8, 2, 16, 32, 8, 1),
-}
 
 
 def heuristics(target: str, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16) -> KernelOptions:
     """Default tiles and launch parameters for ``target`` ("cuda", "tpu" or "interpret").
 
-    cuda: per dtype width and head dim from the sm_90 compile suite (``_CUDA``; not yet
+    cuda: per dtype width and head dim from the sm_90 compile suite (``_tile_tables.PALLAS_SM90``; not yet
     timed on hardware: benchmarks/gpu_check.sh measures on a GPU).
     """
     bq, bkv = block_size
     if target == "cuda":
         # Triton pads the head dim to a power of two (>= 16); above 256, the 256 row.
         d = min(max(64, 1 << (int(head_dim) - 1).bit_length()), 256)
-        fq, fk, fw, fs, bq_, bk_, bw, bs = _CUDA[(min(jnp.dtype(dtype).itemsize, 4), d)]
+        fq, fk, fw, fs, bq_, bk_, bw, bs = PALLAS_SM90[(min(jnp.dtype(dtype).itemsize, 4), d)]
         return KernelOptions(target=target, interpret=False, block_q=_fit(fq, bq), block_kv=_fit(fk, bkv),
                              bwd_block_q=_fit(bq_, bq), bwd_block_kv=_fit(bk_, bkv), num_warps=fw,
                              num_stages=fs, bwd_num_warps=bw, bwd_num_stages=bs)

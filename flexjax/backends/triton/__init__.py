@@ -18,22 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
+from .. import _frontend
 from .._contract import Implementation, always, never_raises
-from .._frontend import (
-    TILE_FIELDS,
-    KernelOptionsBase,
-    backward_inputs,
-    backward_results,
-    basic_reason,
-    check_options,
-    dropout_args,
-    fill,
-    forward_results,
-    pow2_dim,
-    prepare,
-    target_and_interpret,
-)
 from .._layout import Mods, prologues
+from .._tile_tables import TRITON_DROPOUT_BWD_KV, TRITON_SM80, TRITON_SM90
 from . import _codegen, _kernels, _launch, _templates, _versions
 
 NAME = "triton"
@@ -42,7 +30,7 @@ _TARGETS = ("cuda",)
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptions(KernelOptionsBase):
+class KernelOptions(_frontend.KernelOptionsBase):
     """Options of the triton backend (``flex_attention(..., kernel_options={...})``): those of
     ``_frontend.KernelOptionsBase`` and the two below.
 
@@ -68,71 +56,10 @@ class KernelOptions(KernelOptionsBase):
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 
-# Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
-# stages, bwd block_q, bwd block_kv, warps, stages), each chosen from the compile suite
-# (tests_compile/triton_suite.py: ptxas -v on jax_triton's PTX, catalog x MHA / GQA with
-# gradients; budget 0 B spilled per thread for 16-bit, 1 KiB for float32, and the arch's
-# shared memory). Each comment gives the worst catalog entry's registers / spills / shared
-# memory for the row (the full suite's worst), and what the larger tiles tried spilled (on
-# the GQA entries with mods). The forward rows start from PyTorch FlexAttention's
-# (torch/_inductor/kernel/flex_attention.py); the 16-bit backward ones are mostly 32x64 /
-# 8 warps, as the pallas backend's, where torch's 64x64 spilled. float32 products are
-# exact (FMA, no tensor cores), which holds whole operand rows per thread: its tiles are
-# small, and stages matter (sm_90 f32 D=128 32x64/8w: 3 stages spilled 1268 B, 2 none).
-# Not yet timed on hardware.
-_SM90 = {
-    # fwd 128x64/4w/3st: 255 regs, 0 spills, 129 KiB. bwd 64x64/4w/3st: dQ spilled 1164 B
-    # (per_head_mask+relative_bias); 32x64/8w/2st: dQ 223 / dK/dV 154 regs, 0 spills.
-    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
-    # fwd 128x64/8w/3st: 221 regs, 0 spills, 193 KiB (torch's 128x128 needs 241 KiB: a table
-    # gather stages its tile in shared memory). bwd 64x64/8w/3st: dQ spilled 756 B, dK/dV
-    # 968 B (document+t5); 32x64/8w/2st: 226 / 164 regs, 0 spills.
-    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
-    # fwd 64x32/4w/3st: 254 regs, 0 spills, 144 KiB. bwd 32x64/8w/2st: 255 / 242 regs, 0
-    # spills, 108 KiB (32x32/8w: 172 / 162 regs).
-    (2, 256): (64, 32, 4, 3, 32, 64, 8, 2),
-    # fwd 128x32/4w/3st spilled 6.5 KB, 8w 1.5 KB, 64x64/8w 1048 B (neg_inf_score);
-    # 64x32/8w/3st: 218 regs, 24 B spilled, 73 KiB. bwd 32x32/8w/2st: 158 / 200 regs, 0 spills.
-    (4, 64): (64, 32, 8, 3, 32, 32, 8, 2),
-    # fwd 32x64/8w/3st spilled 1268 B, 4w 13.6 KB; 32x64/8w/2st: 94 regs, 0 spills, 96 KiB.
-    # bwd 32x32/8w/2st: dK/dV spilled 1208 B, 16x32/8w/2st 1012 B (the edge); 32x16/8w/1st:
-    # 91 / 80 regs, 64 / 48 B spilled.
-    (4, 128): (32, 64, 8, 2, 32, 16, 8, 1),
-    # fwd 32x32/4w/3st spilled 13.6 KB, 64x32/8w 15.7 KB; 32x32/8w/3st: 181 regs, 0 spills,
-    # 172 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB, 16x32/8w 8 KB; 32x16/8w/1st: 127 /
-    # 110 regs, 0 spills.
-    (4, 256): (32, 32, 8, 3, 32, 16, 8, 1),
-}
-_SM80 = {
-    # fwd 128x64/4w/2st spilled 24 B (document+t5); 8w: 195 regs, 0 spills, 64 KiB. bwd
-    # 64x64/8w: dQ spilled 380 B (per_head_mask+relative_bias), 32x64/8w dK/dV 64 B,
-    # 32x64/4w 8 B; 64x32/8w/2st: 255 / 153 regs, 0 spills.
-    (2, 64): (128, 64, 8, 2, 64, 32, 8, 2),
-    # fwd 128x64/8w/2st: 245 regs, 0 spills, 96 KiB. bwd 64x64/4w: dK/dV spilled 12 B
-    # (full, MHA); 32x64/8w/2st: 246 / 165 regs, 0 spills.
-    (2, 128): (128, 64, 8, 2, 32, 64, 8, 2),
-    # fwd 32x64/4w/2st: 254 regs, 0 spills, 92 KiB. bwd 32x64/8w/2st: 255 / 246 regs, 0
-    # spills, 108 KiB.
-    (2, 256): (32, 64, 4, 2, 32, 64, 8, 2),
-    # fwd 128x32/4w/2st spilled 4.8 KB; 64x32/8w/2st: 124 regs, 36 B spilled, 48 KiB. bwd
-    # 32x32/8w/2st: 128 / 209 regs, 0 spills.
-    (4, 64): (64, 32, 8, 2, 32, 32, 8, 2),
-    # fwd 64x32/8w/2st: 128 regs, 0 spills, 80 KiB. bwd 32x32/8w/2st: dK/dV spilled 1192 B;
-    # 32x16/8w/1st: 110 / 66 regs, dK/dV 12 B spilled.
-    (4, 128): (64, 32, 8, 2, 32, 16, 8, 1),
-    # fwd 64x32/8w/2st spilled 2.5 KB (per_head_mask+relative_bias); 32x32/8w/2st: 128
-    # regs, 0 spills, 104 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB; 32x16/8w/1st: 128 /
-    # 115 regs, 0 spills.
-    (4, 256): (32, 32, 8, 2, 32, 16, 8, 1),
-}
 # The (num_warps, num_stages) pairs autotune searches, besides the heuristics' own.
 _AUTOTUNE = ((4, 2), (4, 3), (8, 2), (8, 3))
 
 
-# Backward kv tiles under dropout, where the table's row has no registers left for the hash:
-# bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and 92+132 B
-# (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
-_DROPOUT_BWD_KV = {(2, 256): 32}
 
 
 def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16
@@ -143,8 +70,8 @@ def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: i
     the 256 row. Each table tile is fitted to the BlockMask's block by ``_fit``.
     """
     bq, bkv = block_size
-    d = min(max(64, pow2_dim(head_dim)), 256)
-    table = _SM90 if compute_capability >= 90 else _SM80
+    d = min(max(64, _frontend.pow2_dim(head_dim)), 256)
+    table = TRITON_SM90 if compute_capability >= 90 else TRITON_SM80
     fq, fk, fw, fs, bq_, bk_, bw, bs = table[(min(jnp.dtype(dtype).itemsize, 4), d)]
     return KernelOptions(target="cuda", interpret=False, compute_capability=int(compute_capability),
                          block_q=_fit(fq, bq), block_kv=_fit(fk, bkv), bwd_block_q=_fit(bq_, bq),
@@ -198,7 +125,7 @@ def _host_target() -> str | None:
 
 def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
     opts = spec.options
-    target, interpret = target_and_interpret(spec, _host_target())
+    target, interpret = _frontend.target_and_interpret(spec, _host_target())
     cc = opts.get("compute_capability") or _device_capability() or 90
     if interpret:
         # Interpret mode: the mask's own block (regrouped only where its power-of-two part is
@@ -208,16 +135,16 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
                                 num_stages=1, bwd_num_warps=4, bwd_num_stages=1)
     else:
         default = heuristics(cc, spec.block_size, head_dim, dtype)
-        key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, pow2_dim(head_dim)), 256))
-        if spec.dropout_rate > 0 and key in _DROPOUT_BWD_KV:
-            default = dataclasses.replace(default, bwd_block_kv=_fit(_DROPOUT_BWD_KV[key], spec.block_size[1]))
-    return fill(KernelOptions, spec, default, target=target, interpret=bool(interpret), compute_capability=int(cc),
-                autotune=bool(opts.get("autotune")))
+        key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, _frontend.pow2_dim(head_dim)), 256))
+        if spec.dropout_rate > 0 and key in TRITON_DROPOUT_BWD_KV:
+            default = dataclasses.replace(default, bwd_block_kv=_fit(TRITON_DROPOUT_BWD_KV[key], spec.block_size[1]))
+    return _frontend.fill(KernelOptions, spec, default, target=target, interpret=bool(interpret),
+                          compute_capability=int(cc), autotune=bool(opts.get("autotune")))
 
 
 def _check_options(opts: dict, block_size):
-    check_options(opts, block_size, _TARGETS, bools=("interpret", "autotune"))
-    for f in TILE_FIELDS:
+    _frontend.check_options(opts, block_size, _TARGETS, bools=("interpret", "autotune"))
+    for f in _frontend.TILE_FIELDS:
         val = opts.get(f)
         if val is not None and val % 16:
             raise ValueError(f"kernel_options[{f!r}] must be a multiple of 16 (Triton's tl.dot takes tiles of at "
@@ -259,7 +186,7 @@ def validate_options(spec) -> None:
 @never_raises
 def supports(spec, q, k, v) -> str | None:
     """None if the triton backend can serve this call, else why not (``validate_options`` has run)."""
-    basic = basic_reason(NAME, spec, q, _FIELDS, _host_target(), "; it runs on NVIDIA GPUs")
+    basic = _frontend.basic_reason(NAME, spec, q, _FIELDS, _host_target(), "; it runs on NVIDIA GPUs")
     if basic is not None:
         return basic
     o = _resolve(spec, q.shape[-1], q.dtype)
@@ -311,7 +238,7 @@ def _run(spec, o: KernelOptions, backward: bool):
 
 def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
-    g, lists, qp, kp, vp = prepare(spec, q, k, v, lists, tq, tk, pow2_dim)
+    g, lists, qp, kp, vp = _frontend.prepare(spec, q, k, v, lists, tq, tk, _frontend.pow2_dim)
     return dataclasses.replace(g, tq=_kernel_tile(tq), tk=_kernel_tile(tk)), lists, qp, kp, vp
 
 
@@ -326,8 +253,9 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
-                                             _run(spec, o, backward=False), **dropout_args(spec, dropout_seed))
-    return forward_results(q, v, out, row_max, row_sum)
+                                             _run(spec, o, backward=False),
+                                             **_frontend.dropout_args(spec, dropout_seed))
+    return _frontend.forward_results(q, v, out, row_max, row_sum)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
@@ -344,7 +272,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     mods, plan, source = _plan(spec.score, spec.mask, wanted, bool(spec.dropout_rate))
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
-    lse_safe, delta, dop = backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
+    lse_safe, delta, dop = _frontend.backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
     grads = _kernels.backward(plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
-                              _run(spec, o, backward=True), **dropout_args(spec, dropout_seed))
-    return backward_results(spec, q, v, g, mods.score, score_consts, plan.grads, grads)
+                              _run(spec, o, backward=True), **_frontend.dropout_args(spec, dropout_seed))
+    return _frontend.backward_results(spec, q, v, g, mods.score, score_consts, plan.grads, grads)

@@ -1,0 +1,106 @@
+"""The kernel backends' measured tile tables: one row per (dtype width, padded head dim).
+
+Each row is (fwd block_q, block_kv, num_warps, num_stages, bwd block_q, bwd block_kv,
+num_warps, num_stages), chosen from the compile suites' figures (``make test-compile``:
+ptxas -v registers, spills and shared memory), which each row's comment cites. The
+backends' ``heuristics`` read them and fit the tiles to the BlockMask's block.
+"""
+
+# -- pallas (Pallas' Triton lowering) ------------------------------------------------------------
+
+# sm_90 tiles and launch parameters per (16-bit or float32, padded head dim): (fwd block_q,
+# block_kv, warps, stages, bwd block_q, bwd block_kv, warps, stages). Each row is the
+# measured choice of `make test-compile` (H100 target, ptxas -v; worst case over the catalog
+# and MHA/GQA, usually a table-reading score_mod: relative_bias or t5; the regs/spills
+# quoted are per thread, bwd as dQ / dK/dV). The limit is 227 KiB of shared memory per
+# block and 255 registers per thread; a spill in bf16/f16 fails the suite, f32 may use 1 KB.
+PALLAS_SM90 = {
+    # fwd 128x64/4w/3st: 255 regs, 0 spills, 128 KiB smem. bwd 64x64/4w: dQ spilled 668 B
+    # (document+t5), dK/dV 8 B; 32x64/8w/2st: 217 / 142 regs, 0 spills.
+    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
+    # fwd 128x64/8w/3st: 254 regs, 0 spills, 192 KiB. bwd 64x64/8w: dQ spilled 148 B
+    # (document+t5), dK/dV 32 B; 32x64/8w/2st: 248 / 200 regs, 0 spills.
+    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
+    # fwd 128x64/3st needs 256 KiB; 128x32/8w/3st: 250 regs, 192 KiB. bwd 32x64/8w: dK/dV
+    # spilled 24 B (neg_inf_score); 16x64/8w/2st: 179 / 212 regs, 0 spills, 86 KiB.
+    (2, 256): (128, 32, 8, 3, 16, 64, 8, 2),
+    # fwd 128x64/4w spilled 88-292 B, 8w 0 B; 128x32/8w: 204 regs, 104 KiB. bwd 64x64/4w:
+    # dQ spilled 752 B (relative_bias), 8w 116 B (document+t5); 32x64/8w/2st: 244 / 234
+    # regs, 0 spills.
+    (4, 64): (128, 32, 8, 3, 32, 64, 8, 2),
+    # fwd 128x64/3st needs 288 KiB with relative_bias (its table gather stages in smem),
+    # 128x32/8w spilled 24 B; 32x64/8w/2st: 173 regs, 96 KiB. bwd 16x32/8w: dK/dV spilled
+    # 16 B (neg_inf_score GQA, ptxas stopped at 128 regs), 32x32/8w 24 B; 16x64/8w/1st:
+    # 244 / 254 regs, 0 spills, 84 KiB.
+    (4, 128): (32, 64, 8, 2, 16, 64, 8, 1),
+    # fwd 64x32/8w spilled 1.9 KB; 32x64/8w/2st: 253 regs, 176 KiB. bwd 16x16/4w: 255 /
+    # 255 regs, 0 spills (the edge), 8w: dK/dV 40 B; 32x32/8w 32 B; 16x64/8w 1.4 KB;
+    # 16x32/8w/1st: 255 / 182 regs, 0 spills, 96 KiB.
+    (4, 256): (32, 64, 8, 2, 16, 32, 8, 1),
+}
+
+
+# -- triton --------------------------------------------------------------------------------------
+
+# Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
+# stages, bwd block_q, bwd block_kv, warps, stages), each chosen from the compile suite
+# (tests_compile/triton_suite.py: ptxas -v on jax_triton's PTX, catalog x MHA / GQA with
+# gradients; budget 0 B spilled per thread for 16-bit, 1 KiB for float32, and the arch's
+# shared memory). Each comment gives the worst catalog entry's registers / spills / shared
+# memory for the row (the full suite's worst), and what the larger tiles tried spilled (on
+# the GQA entries with mods). The forward rows start from PyTorch FlexAttention's
+# (torch/_inductor/kernel/flex_attention.py); the 16-bit backward ones are mostly 32x64 /
+# 8 warps, as the pallas backend's, where torch's 64x64 spilled. float32 products are
+# exact (FMA, no tensor cores), which holds whole operand rows per thread: its tiles are
+# small, and stages matter (sm_90 f32 D=128 32x64/8w: 3 stages spilled 1268 B, 2 none).
+# Not yet timed on hardware.
+TRITON_SM90 = {
+    # fwd 128x64/4w/3st: 255 regs, 0 spills, 129 KiB. bwd 64x64/4w/3st: dQ spilled 1164 B
+    # (per_head_mask+relative_bias); 32x64/8w/2st: dQ 223 / dK/dV 154 regs, 0 spills.
+    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
+    # fwd 128x64/8w/3st: 221 regs, 0 spills, 193 KiB (torch's 128x128 needs 241 KiB: a table
+    # gather stages its tile in shared memory). bwd 64x64/8w/3st: dQ spilled 756 B, dK/dV
+    # 968 B (document+t5); 32x64/8w/2st: 226 / 164 regs, 0 spills.
+    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
+    # fwd 64x32/4w/3st: 254 regs, 0 spills, 144 KiB. bwd 32x64/8w/2st: 255 / 242 regs, 0
+    # spills, 108 KiB (32x32/8w: 172 / 162 regs).
+    (2, 256): (64, 32, 4, 3, 32, 64, 8, 2),
+    # fwd 128x32/4w/3st spilled 6.5 KB, 8w 1.5 KB, 64x64/8w 1048 B (neg_inf_score);
+    # 64x32/8w/3st: 218 regs, 24 B spilled, 73 KiB. bwd 32x32/8w/2st: 158 / 200 regs, 0 spills.
+    (4, 64): (64, 32, 8, 3, 32, 32, 8, 2),
+    # fwd 32x64/8w/3st spilled 1268 B, 4w 13.6 KB; 32x64/8w/2st: 94 regs, 0 spills, 96 KiB.
+    # bwd 32x32/8w/2st: dK/dV spilled 1208 B, 16x32/8w/2st 1012 B (the edge); 32x16/8w/1st:
+    # 91 / 80 regs, 64 / 48 B spilled.
+    (4, 128): (32, 64, 8, 2, 32, 16, 8, 1),
+    # fwd 32x32/4w/3st spilled 13.6 KB, 64x32/8w 15.7 KB; 32x32/8w/3st: 181 regs, 0 spills,
+    # 172 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB, 16x32/8w 8 KB; 32x16/8w/1st: 127 /
+    # 110 regs, 0 spills.
+    (4, 256): (32, 32, 8, 3, 32, 16, 8, 1),
+}
+TRITON_SM80 = {
+    # fwd 128x64/4w/2st spilled 24 B (document+t5); 8w: 195 regs, 0 spills, 64 KiB. bwd
+    # 64x64/8w: dQ spilled 380 B (per_head_mask+relative_bias), 32x64/8w dK/dV 64 B,
+    # 32x64/4w 8 B; 64x32/8w/2st: 255 / 153 regs, 0 spills.
+    (2, 64): (128, 64, 8, 2, 64, 32, 8, 2),
+    # fwd 128x64/8w/2st: 245 regs, 0 spills, 96 KiB. bwd 64x64/4w: dK/dV spilled 12 B
+    # (full, MHA); 32x64/8w/2st: 246 / 165 regs, 0 spills.
+    (2, 128): (128, 64, 8, 2, 32, 64, 8, 2),
+    # fwd 32x64/4w/2st: 254 regs, 0 spills, 92 KiB. bwd 32x64/8w/2st: 255 / 246 regs, 0
+    # spills, 108 KiB.
+    (2, 256): (32, 64, 4, 2, 32, 64, 8, 2),
+    # fwd 128x32/4w/2st spilled 4.8 KB; 64x32/8w/2st: 124 regs, 36 B spilled, 48 KiB. bwd
+    # 32x32/8w/2st: 128 / 209 regs, 0 spills.
+    (4, 64): (64, 32, 8, 2, 32, 32, 8, 2),
+    # fwd 64x32/8w/2st: 128 regs, 0 spills, 80 KiB. bwd 32x32/8w/2st: dK/dV spilled 1192 B;
+    # 32x16/8w/1st: 110 / 66 regs, dK/dV 12 B spilled.
+    (4, 128): (64, 32, 8, 2, 32, 16, 8, 1),
+    # fwd 64x32/8w/2st spilled 2.5 KB (per_head_mask+relative_bias); 32x32/8w/2st: 128
+    # regs, 0 spills, 104 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB; 32x16/8w/1st: 128 /
+    # 115 regs, 0 spills.
+    (4, 256): (32, 32, 8, 2, 32, 16, 8, 1),
+}
+
+# Backward kv tiles under dropout, where the table's row has no registers left for the hash:
+# bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and 92+132 B
+# (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
+TRITON_DROPOUT_BWD_KV = {(2, 256): 32}
