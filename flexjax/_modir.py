@@ -12,8 +12,9 @@ once per (mod, backend, bake) and cached:
   ``bake``, vars whose values ``ModIR.baked`` holds.
 
 One-element reads of captured arrays (``dynamic_slice``, ``gather`` with one index per
-dimension, clamped or FILL_OR_DROP) are decoded by ``read_indices``, the one place that
-knows their params. Who consumes the IR: ``_modcompiler.compile_mod`` (the prologue hoister
+dimension, clamped or FILL_OR_DROP) carry one normalised form, ``Node.read`` (``Read``:
+array, one index operand per dimension, fill), read through ``read_indices``, the one
+place that also knows the primitives' params. Who consumes the IR: ``_modcompiler.compile_mod`` (the prologue hoister
 and the pallas evaluation), ``backends/triton/_codegen.py`` and ``backends/cpu/_codegen.py``.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -51,7 +52,11 @@ class Lit:
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """One first-order primitive application; operands are var ids or Lit."""
+    """One first-order primitive application; operands are var ids or Lit.
+
+    ``read``: for a one-element read of an array (``dynamic_slice``, ``gather``), the same
+    read in one normalised form (``Read``), whatever primitive and params JAX chose.
+    """
 
     prim: Any
     params: dict
@@ -59,6 +64,18 @@ class Node:
     outs: tuple[int, ...]
     in_avals: tuple
     out_avals: tuple
+    read: Read | None = None
+
+
+class Read(NamedTuple):
+    """A one-element read ``array[index]``: ``index`` holds one operand per dimension of the
+    array (None: index 0, a dimension the gather does not index), unclamped; ``fill`` is None
+    for a clamped read (XLA clamps the start into the array), else the value read where an
+    index is out of range (a FILL_OR_DROP gather; NaN or 0 when JAX leaves it unset)."""
+
+    array: Any
+    index: tuple
+    fill: Any = None
 
 
 def _size1(aval) -> bool:
@@ -90,6 +107,7 @@ class Flattener:
         self.mod_name = mod_name
         self.bake = bake
         self.baked: dict[int, np.ndarray] = {}
+        self.vectors: dict[int, tuple] = {}  # var id -> its components, for concatenated index vectors
 
     def new(self, aval) -> int:
         self.count += 1
@@ -129,12 +147,40 @@ class Flattener:
                 outs = self.run(sub, [self._const(c) for c in consts] + ins, [*sub.constvars, *sub.invars])
             else:
                 outs = [self.new(v.aval) for v in eqn.outvars]
-                self.nodes.append(Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
-                                       tuple(v.aval for v in eqn.invars),
-                                       tuple(v.aval for v in eqn.outvars)))
+                node = Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs),
+                            tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars))
+                if name == "concatenate" and all(_size1(v.aval) for v in eqn.invars):
+                    self.vectors[outs[0]] = tuple(ins)
+                elif name in READS and read_problem(node) is None:
+                    node = dataclasses.replace(node, read=self._read(node))
+                self.nodes.append(node)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [self.atom(env, v) for v in jaxpr.outvars]
+
+    def _read(self, node: Node) -> Read | None:
+        """``node``'s one-element read, normalised (None where its index vector's components
+        are not known one by one: the consumers then decode the gather's params)."""
+        if node.prim.name == "dynamic_slice":
+            return Read(node.ins[0], tuple(node.ins[1:]))
+        x = node.ins[1]
+        if isinstance(x, Lit):
+            comps = tuple(Lit(v) for v in np.asarray(x.val).reshape(-1))
+        elif x in self.vectors:
+            comps = self.vectors[x]
+        elif _size1(node.in_avals[1]):
+            comps = (x,)
+        else:
+            return None
+        index = [None] * len(node.in_avals[0].shape)
+        for c, d in zip(comps, node.params["dimension_numbers"].start_index_map):
+            index[d] = c
+        fill = None
+        if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+            fill = node.params["fill_value"]
+            if fill is None:
+                fill = np.nan if np.issubdtype(np.dtype(node.out_avals[0].dtype), np.inexact) else 0
+        return Read(node.ins[0], tuple(index), fill)
 
     def _const(self, c):
         arr = np.asarray(c)
@@ -242,8 +288,11 @@ def read_indices(node: Node, value_of, zero):
     ``value_of(operand)`` gives an operand's value in the caller's terms (an index vector is
     a list of its components); ``raw`` has one index per dimension of the array (``zero``
     for dimensions the gather does not index), unclamped; ``fill`` is None for a clamped
-    read, else the FILL_OR_DROP value for out-of-range indices (NaN / 0 when unset).
+    read, else the FILL_OR_DROP value for out-of-range indices (NaN / 0 when unset). Reads
+    the normalised ``node.read`` where the IR has it, else decodes the primitive's params.
     """
+    if node.read is not None:
+        return [zero if i is None else value_of(i) for i in node.read.index], node.read.fill
     shape = node.in_avals[0].shape
     if node.prim.name == "dynamic_slice":
         return [value_of(s) for s in node.ins[1:]], None
