@@ -29,7 +29,7 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
 from ._trace import trace_mod
 from .backends import available_backends, get_backend, implementations, kernel_option_names, platform_backends
 from .backends._common import acc_dtype
-from .backends._contract import TileLists, first_serving
+from .backends._contract import Implementation, TileLists, first_serving
 
 
 def _and(names) -> str:
@@ -208,19 +208,18 @@ def _choose_backend(backend, spec, query, key, value, *, warn: bool = True):
     is reported by a warning (``warn``), so no fallback is silent.
     """
     names = platform_backends() if backend is None else (backend,)
-    skipped = []
-    for name in names:
-        candidate = get_backend(name)
-        reason = _supports(candidate, name, spec, query, key, value)
-        if reason is None:
-            for skipped_name, skipped_reason in skipped if warn else ():
-                warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "
-                              f"using {name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
-            return candidate, skipped
-        if backend is not None:
-            raise NotImplementedError(f"backend {name!r} cannot serve this call: {reason}")
-        skipped.append((name, reason))
-    raise NotImplementedError("no backend can serve this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+    # The same walker as each backend's implementation lists (``_contract.first_serving``).
+    candidates = [Implementation(n, functools.partial(_supports, get_backend(n), n)) for n in names]
+    name, skipped = first_serving(candidates, "backend choice", or_none=True, spec=spec, query=query, key=key,
+                                  value=value)
+    if name is None and backend is not None:
+        raise NotImplementedError(f"backend {backend!r} cannot serve this call: {skipped[0][1]}")
+    if name is None:
+        raise NotImplementedError("no backend can serve this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+    for skipped_name, skipped_reason in skipped if warn else ():
+        warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "
+                      f"using {name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
+    return get_backend(name), skipped
 
 
 @dataclasses.dataclass(frozen=True)

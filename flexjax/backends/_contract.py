@@ -153,12 +153,13 @@ def _guarded(impl: Implementation, context: dict) -> str | None:
         return f"{type(e).__name__} while checking ({e}); this is a flexjax bug, please report it"
 
 
-def first_serving(implementations: Sequence[Implementation], label: str = "", **context
-                  ) -> tuple[str, list[tuple[str, str]]]:
+def first_serving(implementations: Sequence[Implementation], label: str = "", *, or_none: bool = False,
+                  **context) -> tuple[str | None, list[tuple[str, str]]]:
     """The name of the first implementation that serves, and (name, reason) for each one passed over.
 
     The last implementation of every list serves everything it is given (its ``supports``
-    returns None), so a pass always has one. ``label`` names the pass in the log ("xla
+    returns None), so a pass always has one; where none serves it raises, or with ``or_none``
+    returns (None, every reason). ``label`` names the pass in the log ("xla
     forward"). Each choice is logged at DEBUG level on the
     "flexjax" logger (``logging.getLogger("flexjax").setLevel(logging.DEBUG)``), with the
     reasons of those passed over: the same sentences ``flexjax.explain`` returns.
@@ -172,6 +173,8 @@ def first_serving(implementations: Sequence[Implementation], label: str = "", **
                 _LOG.debug("flexjax: %s runs %r%s", label or "a pass", impl.name, passed)
             return impl.name, skipped
         skipped.append((impl.name, reason))
+    if or_none:
+        return None, skipped
     raise NotImplementedError("no implementation serves this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
