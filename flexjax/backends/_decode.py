@@ -9,8 +9,8 @@ are merged by their log-sum-exp (flash-decoding, https://pytorch.org/blog/flash-
 The loop runs ``ceil(tiles / chunks)`` steps, a count read from the traced tile lists at
 run time: a step at length 1000 of a 65536-capacity cache visits about 1000 keys.
 
-The residuals are the xla backend's (row max, log-sum) (B, Hq, Sq), so its backward
-serves a decode-path forward unchanged.
+The residuals are ``Residuals`` (row max, row sum) (B, Hq, Sq), as every backend's, so the
+xla backward serves a decode-path forward unchanged.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def tile_entries(kv_n, kv_i, fkv_n, fkv_i, e):
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, page_table=None):
-    """out (B, Sq, Hq, Dv), lse and the xla backward's residuals (row max, log-sum) (B, Hq, Sq).
+    """out (B, Sq, Hq, Dv), lse and the rows' ``Residuals`` (B, Hq, Sq).
 
     Args:
       q: (B, Sq, Hq, D); k: (B, Skv, Hkv, D); v: (B, Skv, Hkv, Dv), as given (no copy of

@@ -291,7 +291,7 @@ def _fwd_core(spec, g, score_consts, mask_consts, qt, kT, vt, lists, b_ids, h_id
 
     qt: (Bs, Hs, Gs, Sq_pad, D); kT: (Bs, Hs, D, Skv_pad); vt: (Bs, Hs, Skv_pad, Dv);
     lists: coarse tile lists of this group, (nQ,) / (nQ, nKV). Returns out (Bs, Hs, Gs,
-    Sq_pad, Dv) and the row stats (lse, max, log-sum), each (Bs, Hs, Gs, Sq_pad), in qt's dtype.
+    Sq_pad, Dv) and the row stats (lse, max, sum: ``Residuals``'), each (Bs, Hs, Gs, Sq_pad), in qt's dtype.
     """
     kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     lead = qt.shape[:3]
