@@ -28,7 +28,6 @@ def noop_mask(b, h, q_idx, kv_idx):
     return jnp.full(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), True)
 
 
-
 def _check_dim(name: str, value, allow_none: bool) -> int:
     if value is None and allow_none:
         return 1

@@ -54,8 +54,6 @@ class KernelOptions(KernelOptionsBase):
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 
 
-
-
 def heuristics(target: str, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16) -> KernelOptions:
     """Default tiles and launch parameters for ``target`` ("cuda", "tpu" or "interpret").
 

@@ -60,8 +60,6 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 _AUTOTUNE = ((4, 2), (4, 3), (8, 2), (8, 3))
 
 
-
-
 def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16
                ) -> KernelOptions:
     """Default tiles and launch parameters for sm_``compute_capability`` (sm_80 and sm_90 tables).
