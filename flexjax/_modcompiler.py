@@ -487,7 +487,8 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
 
 
 def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
-    ir = flatten(mod, _BACKEND[target], bake=True)
+    # Shapes kept (erase=False): the prologue binds the hoisted nodes as JAX primitives again.
+    ir = flatten(mod, _BACKEND[target], bake=True, erase=False)
     out, consts, args = ir.out, ir.consts, ir.args
     names = ("score", "b", "h", "q_idx", "kv_idx") if mod.kind == "score" else ("b", "h", "q_idx", "kv_idx")
     arg_tags = {a: frozenset({_ARG_TAGS[n]}) for a, n in zip(args, names)}
