@@ -7,7 +7,8 @@ once per (mod, backend, bake) and cached:
   custom_vjp calls) are inlined, except an elementwise ``custom_jvp_call`` on scalars, kept
   as one node so that differentiating the kernel part uses the function's own JVP rule;
 - shape-only primitives on one-element values (``SHAPE_ONLY``: a mod has scalar semantics)
-  are erased: their output is their input;
+  are erased, their output being their input, unless ``erase=False`` (for consumers that
+  bind the nodes as JAX primitives again, where shapes must agree);
 - arrays that a nested call's body closes over become literals (one element) or, with
   ``bake``, vars whose values ``ModIR.baked`` holds.
 
