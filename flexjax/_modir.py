@@ -173,15 +173,7 @@ class Flattener:
             comps = (x,)
         else:
             return None
-        index = [None] * len(node.in_avals[0].shape)
-        for c, d in zip(comps, node.params["dimension_numbers"].start_index_map):
-            index[d] = c
-        fill = None
-        if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-            fill = node.params["fill_value"]
-            if fill is None:
-                fill = np.nan if np.issubdtype(np.dtype(node.out_avals[0].dtype), np.inexact) else 0
-        return Read(node.ins[0], tuple(index), fill)
+        return Read(node.ins[0], tuple(_per_dimension(node, comps, None)), _gather_fill(node))
 
     def _const(self, c):
         arr = np.asarray(c)
@@ -294,21 +286,28 @@ def read_indices(node: Node, value_of, zero):
     """
     if node.read is not None:
         return [zero if i is None else value_of(i) for i in node.read.index], node.read.fill
-    shape = node.in_avals[0].shape
     if node.prim.name == "dynamic_slice":
         return [value_of(s) for s in node.ins[1:]], None
-    dn = node.params["dimension_numbers"]
     comps = value_of(node.ins[1])
-    comps = comps if isinstance(comps, list) else [comps]
-    raw = [zero] * len(shape)
-    for c, d in zip(comps, dn.start_index_map):
+    return _per_dimension(node, comps if isinstance(comps, list) else [comps], zero), _gather_fill(node)
+
+
+def _per_dimension(node: Node, comps, zero) -> list:
+    """A gather's index components placed on the array's dimensions (``zero`` elsewhere)."""
+    raw = [zero] * len(node.in_avals[0].shape)
+    for c, d in zip(comps, node.params["dimension_numbers"].start_index_map):
         raw[d] = c
-    fill = None
-    if node.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        fill = node.params["fill_value"]
-        if fill is None:
-            fill = np.nan if np.issubdtype(np.dtype(node.out_avals[0].dtype), np.inexact) else 0
-    return raw, fill
+    return raw
+
+
+def _gather_fill(node: Node):
+    """None for a clamped gather, else its FILL_OR_DROP value (NaN / 0 where JAX leaves it unset)."""
+    if node.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        return None
+    fill = node.params["fill_value"]
+    if fill is None:
+        fill = np.nan if np.issubdtype(np.dtype(node.out_avals[0].dtype), np.inexact) else 0
+    return fill
 
 
 # -- what the code generators share ------------------------------------------------------------
