@@ -102,6 +102,61 @@ def _ptx_resources(path: str, arch: int, ptxas: str):
             int(spill.group(2)) if spill else 0)
 
 
+# The PTX instruction mix of a kernel: tensor-core instructions and how deep its cp.async
+# copies are waited for. A pipelined loop waits with ``cp.async.wait_group N`` for N >= 1
+# (N copies stay in flight); a loop that only waits with 0 double-buffers at best.
+_WGMMA = re.compile(r"^\s*wgmma\.mma_async", re.M)
+_MMA_SYNC = re.compile(r"^\s*mma\.sync", re.M)
+_WAIT = re.compile(r"^\s*cp\.async\.wait_group\s+(\d+)", re.M)
+_BULK_WAIT = re.compile(r"^\s*cp\.async\.bulk\.wait_group(?:\.read)?\s+(\d+)", re.M)
+_TMA = re.compile(r"^\s*cp\.async\.bulk\.tensor", re.M)
+
+
+_LABEL = re.compile(r"^(\$L__\w+):", re.M)
+_BRANCH = re.compile(r"^\s*(?:@%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);", re.M)
+
+
+def _loops(ptx: str) -> list[tuple[int, int]]:
+    """(start, end) offsets of the loops of a PTX function: a branch back to an earlier label."""
+    labels = {m.group(1): m.start() for m in _LABEL.finditer(ptx)}
+    return [(labels[m.group(1)], m.end()) for m in _BRANCH.finditer(ptx)
+            if m.group(1) in labels and labels[m.group(1)] < m.start()]
+
+
+def instruction_mix(ptx: str) -> dict:
+    """Counts of ``wgmma.mma_async``, ``mma.sync`` and TMA copies; the distinct
+    ``cp.async.wait_group`` depths; and ``loop_waits``: for each loop that issues cp.async
+    copies (outside the loops nested in it), the deepest wait there (0: the loop waits for
+    every copy it issued; -1: none)."""
+    waits = [(m.start(), int(m.group(1))) for m in _WAIT.finditer(ptx)]
+    commits = [m.start() for m in re.finditer(r"^\s*cp\.async\.commit_group", ptx, re.M)]
+    loops = sorted(set(_loops(ptx)))
+
+    def own(a, b, at):  # inside loop (a, b) and not inside a loop nested in it
+        return a <= at <= b and not any((c, d) != (a, b) and a <= c and d <= b and c <= at <= d for c, d in loops)
+
+    loop_waits = [max((n for at, n in waits if own(a, b, at)), default=-1) for a, b in loops
+                  if any(own(a, b, at) for at in commits)]
+    return {"wgmma": len(_WGMMA.findall(ptx)), "mma_sync": len(_MMA_SYNC.findall(ptx)),
+            "tma": len(_TMA.findall(ptx)),
+            "waits": sorted({n for _, n in waits} | {int(n) for n in _BULK_WAIT.findall(ptx)}),
+            "loop_waits": loop_waits}
+
+
+def hopper_shape(kind: str, mix: dict) -> list[str]:
+    """What keeps a 16-bit sm_90 kernel's PTX from being Hopper-shaped: no ``wgmma.mma_async``,
+    any ``mma.sync``, or copies only ever waited for with depth 0 (no prefetch in flight)."""
+    fails = []
+    if not mix["wgmma"]:
+        fails.append(f"{kind}: no wgmma.mma_async")
+    if mix["mma_sync"]:
+        fails.append(f"{kind}: {mix['mma_sync']} mma.sync")
+    if not mix["tma"] and (not mix["loop_waits"] or min(mix["loop_waits"]) < 1):
+        fails.append(f"{kind}: a loop waits for all its copies (deepest cp.async.wait_group per copying loop: "
+                     f"{mix['loop_waits'] or 'no copying loop'})")
+    return fails
+
+
 def _kernel_kind(name: str) -> str:
     for kind in ("dkv", "dq", "fwd"):
         if kind in name:
@@ -151,11 +206,18 @@ def worker(cfgs, results_path):
                     stages = re.search(r"\bnum_stages=(\d+)", conf)
                     tq, tk = (re.search(rf"\('{t}', (\d+)\)", conf) for t in ("TQ", "TK"))
                     tiles = f"{tq.group(1)}x{tk.group(1)}" if tq and tk else "?"
-                    regs, st, ld = _ptx_resources(os.path.join(os.path.dirname(info), name + ".ptx"), cfg.arch, ptxas)
+                    ptx_path = os.path.join(os.path.dirname(info), name + ".ptx")
+                    regs, st, ld = _ptx_resources(ptx_path, cfg.arch, ptxas)
+                    with open(ptx_path) as f:
+                        mix = instruction_mix(f.read())
+                    if os.environ.get("FLEXJAX_KEEP_PTX"):  # keep the PTX to read it
+                        keep = os.path.join(os.environ["FLEXJAX_KEEP_PTX"], cfg.key.replace("/", "_"))
+                        os.makedirs(keep, exist_ok=True)
+                        shutil.copy(ptx_path, os.path.join(keep, _kernel_kind(name) + ".ptx"))
                     row["kernels"][_kernel_kind(name)] = {
                         "name": name, "smem": smem, "regs": regs, "spill_st": st, "spill_ld": ld, "tiles": tiles,
                         "warps": int(warps.group(1)) if warps else None,
-                        "stages": int(stages.group(1)) if stages else None}
+                        "stages": int(stages.group(1)) if stages else None, **mix}
             except Exception as e:  # noqa: BLE001 - every failure becomes a table row
                 msg = str(e).strip().splitlines()
                 row["error"] = f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
@@ -178,6 +240,8 @@ def check(row) -> list[str]:
             fails.append(f"{kind}: shared memory {r['smem']} B > {SMEM_LIMIT[row['arch']]} B")
         if r["spill_st"] + r["spill_ld"] > SPILL_BUDGET[row["dtype"]]:
             fails.append(f"{kind}: spills {r['spill_st']}+{r['spill_ld']} B > budget {SPILL_BUDGET[row['dtype']]} B")
+        if row["arch"] == 90 and row["dtype"] != "float32" and "wgmma" in r:
+            fails += hopper_shape(kind, r)
     return fails
 
 
@@ -188,17 +252,24 @@ def table(rows, seconds, jobs) -> str:
     lines = [f"Triton compile suite: {len(rows)} entries, {n_fail} failing, {seconds:.0f} s with {jobs} workers "
              f"(triton.compile through jax-triton for sm_90 and sm_80; ptxas -v from Triton's bundle).", "",
              "Worst case per (arch, kernel, dtype, D), over the catalog and MHA/GQA:", "",
-             "| arch | kernel | dtype | D | tiles | warps | stages | max smem (B) | max registers | max spills (B) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(wgmma / mma.sync: the most per kernel; cp.async waits: the depths `cp.async.wait_group` takes, over "
+             "the entries.)", "",
+             "| arch | kernel | dtype | D | tiles | warps | stages | max smem (B) | max registers | max spills (B) "
+             "| wgmma | mma.sync | cp.async waits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for r in rows:
         for kind, k in r.get("kernels", {}).items():
             s = summary.setdefault((r["arch"], kind, r["dtype"], r["head_dim"]), [k["tiles"], k["warps"], k["stages"],
-                                                                                0, 0, 0])
+                                                                                0, 0, 0, 0, 0, set()])
             s[3], s[4], s[5] = max(s[3], k["smem"]), max(s[4], k["regs"]), max(s[5], k["spill_st"] + k["spill_ld"])
-    for (arch, kind, dt, d), (tiles, w, st, smem, regs, spill) in sorted(summary.items(), key=lambda x: (
+            s[6], s[7] = max(s[6], k.get("wgmma", 0)), max(s[7], k.get("mma_sync", 0))
+            s[8] |= set(k.get("waits", ()))
+    for (arch, kind, dt, d), (tiles, w, st, smem, regs, spill, wg, ms, waits) in sorted(summary.items(), key=lambda x: (
             -x[0][0], ("fwd", "dq", "dkv").index(x[0][1]) if x[0][1] in ("fwd", "dq", "dkv") else 9, x[0][2], x[0][3])):
-        lines.append(f"| sm_{arch} | {kind} | {short[dt]} | {d} | {tiles} | {w} | {st} | {smem} | {regs} | {spill} |")
+        depth = ",".join(map(str, sorted(waits))) or "-"
+        lines.append(f"| sm_{arch} | {kind} | {short[dt]} | {d} | {tiles} | {w} | {st} | {smem} | {regs} | {spill} "
+                     f"| {wg} | {ms} | {depth} |")
     lines += ["", "Failures:" if n_fail else "No failures.", ""]
     lines += [f"- {k}: {'; '.join(f)}" for k, f in sorted(fails.items()) if f]
     return "\n".join(lines) + "\n"

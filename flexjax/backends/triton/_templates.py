@@ -143,25 +143,40 @@ class _Lines:
         self.lines.extend("    " * indent + ln for ln in lines)
 
 
-def _row_loads(gm: GeneratedMod | None, p: str) -> list[str]:
+# Tiles are [q rows, kv columns] in the forward and dQ kernels; the dK/dV kernel computes
+# the transposed tiles [kv rows, q columns] (``T=True``), so that P^T and dS^T feed its two
+# products directly. The mods are elementwise with broadcasting, so they take either
+# orientation from the shapes of the index tiles and hoisted values they are given.
+def _as_rows(T: bool) -> str:
+    """Indexing that makes a q-indexed vector a tile of per-q values: [TQ, 1], or [1, TQ] transposed."""
+    return "[None, :]" if T else "[:, None]"
+
+
+def _as_cols(T: bool) -> str:
+    """Indexing that makes a kv-indexed vector a tile of per-kv values: [1, TK], or [TK, 1] transposed."""
+    return "[:, None]" if T else "[None, :]"
+
+
+def _row_loads(gm: GeneratedMod | None, p: str, T: bool = False) -> list[str]:
     """Loads of a mod's hoisted rows for (b, h) and the q tile at ``offs_q`` as [TQ, 1] tiles
-    (a row that does not depend on q_idx as one scalar)."""
+    ([1, TQ] transposed; a row that does not depend on q_idx as one scalar)."""
     if gm is None:
         return []
     loads = []
     for k in range(gm.rows):
         at = f"{p}R{k} + ((b % {p}R{k}_B) * {p}R{k}_H + h % {p}R{k}_H) * SQ"
-        load = f"tl.load({at})" if gm.row_scalar[k] else f"tl.load({at} + offs_q)[:, None]"
+        load = f"tl.load({at})" if gm.row_scalar[k] else f"tl.load({at} + offs_q){_as_rows(T)}"
         loads.append(f"{p.lower()}r{k} = {load}")
     return loads
 
 
-def _col_loads(gm: GeneratedMod | None, p: str) -> list[str]:
-    """Loads of a mod's hoisted columns for (b, h) and the kv tile at ``offs_k`` as [1, TK] tiles."""
+def _col_loads(gm: GeneratedMod | None, p: str, T: bool = False) -> list[str]:
+    """Loads of a mod's hoisted columns for (b, h) and the kv tile at ``offs_k`` as [1, TK] tiles
+    ([TK, 1] transposed)."""
     if gm is None:
         return []
     return [f"{p.lower()}c{k} = tl.load({p}C{k} + ((b % {p}C{k}_B) * {p}C{k}_H + h % {p}C{k}_H) * SKV + offs_k)"
-            "[None, :]" for k in range(gm.cols)]
+            f"{_as_cols(T)}" for k in range(gm.cols)]
 
 
 def _mod_args(gm: GeneratedMod, p: str) -> str:
@@ -215,31 +230,34 @@ def _col_hash_lines(plan: Plan) -> list[str]:
 _KEEP = "keep = flexjax_fmix(drow ^ dcol) >= DROP_T"
 
 
-def _mask_lines(plan: Plan) -> list[str]:
+def _mask_lines(plan: Plan, T: bool = False) -> list[str]:
     """``ok``: the in-range test and the mask_mod, for a partial tile."""
-    lines = ["ok = q_in & (offs_k < KV_LEN)[None, :]"]
+    lines = [f"ok = q_in & (offs_k < KV_LEN){_as_cols(T)}"]
     if plan.mask is not None:
         lines.append("ok = ok & " + _call(plan.mask, plan.mask.fwd, "b, h, q_idx, kv_idx", "M"))
     return lines
 
 
-def _kv_tile(lines: _Lines, ind: int):
+def _kv_tile(lines: _Lines, ind: int, T: bool = False):
     """Index tiles of the kv tile starting at ``kv_start``, and its K and V."""
     lines(ind,
           "offs_k = kv_start + tl.arange(0, TK)",
-          "kv_idx = tl.minimum(offs_k, KV_LEN - 1)[None, :]",
+          f"kv_idx = tl.minimum(offs_k, KV_LEN - 1){_as_cols(T)}",
           "kv_off = (b.to(tl.int64) * SKV + kv_start) * HKV + kvh",
           "k = tl.load(K + kv_off * D + ar_k[:, None] * (HKV * D) + ar_d[None, :])",
           "v = tl.load(V + kv_off * DV + ar_k[:, None] * (HKV * DV) + ar_dv[None, :])")
     lines(ind, *_col_hash_lines(lines.plan))
 
 
-def _q_tile(lines: _Lines, ind: int, do: bool):
-    """Index tiles of the q tile starting at ``q_start`` for head ``h``, its Q (and dO, lse, delta)."""
+def _q_tile(lines: _Lines, ind: int, do: bool, T: bool = False):
+    """Index tiles of the q tile starting at ``q_start`` for head ``h``, its Q (and dO, lse, delta).
+
+    ``lse`` is in the units of the exponent the kernel takes (``_exp``): log2 units for
+    kernels without a score_mod."""
     lines(ind,
           "offs_q = q_start + tl.arange(0, TQ)",
-          "q_idx = tl.minimum(offs_q, Q_LEN - 1)[:, None]",
-          "q_in = (offs_q < Q_LEN)[:, None]",
+          f"q_idx = tl.minimum(offs_q, Q_LEN - 1){_as_rows(T)}",
+          f"q_in = (offs_q < Q_LEN){_as_rows(T)}",
           "q_off = (b.to(tl.int64) * SQ + q_start) * HQ + h",
           "q = tl.load(Q + q_off * D + ar_q[:, None] * (HQ * D) + ar_d[None, :])")
     lines(ind, *_row_hash_lines(lines.plan))
@@ -247,22 +265,51 @@ def _q_tile(lines: _Lines, ind: int, do: bool):
         lines(ind,
               "do = tl.load(DO + q_off * DV + ar_q[:, None] * (HQ * DV) + ar_dv[None, :])",
               "st = (b * HQ + h).to(tl.int64) * SQ + offs_q",
-              "lse = tl.load(LSE + st)",
+              "lse = tl.load(LSE + st)" + ("" if lines.plan.score is not None else f" * {_LOG2E}"),
               "delta = tl.load(DELTA + st)")
 
 
 def _walk(lines: _Lines, ind: int, n_ptr: str, i_ptr: str, width: str, sub: str, start: str, tile: str,
           row: str, body):
-    """A loop over one row of a tile list, ``sub`` kernel tiles per list entry."""
+    """A loop over one row of a tile list, ``sub`` kernel tiles per list entry.
+
+    The entry of the next step is read one step ahead and carried across iterations
+    (``blk``), so a tile's address never waits on a load of its own iteration: Triton's
+    software pipeliner can then keep ``num_stages - 1`` tiles' copies in flight (with the
+    read in the same iteration, the loops of the full tiles and of the backward waited for
+    every copy). Lists have at least one entry per row (``_launch._lists``), so the first
+    read and the clamped last one stay in bounds.
+    """
     lines(ind,
           f"n = tl.load({n_ptr} + {row}) * {sub}",
+          f"blk = tl.load({i_ptr} + {row} * {width})",
           "for t in range(0, n):")
-    lines(ind + 1, f"{start} = (tl.load({i_ptr} + {row} * {width} + t // {sub}) * {sub} + t % {sub}) * {tile}")
+    lines(ind + 1,
+          f"{start} = (blk * {sub} + t % {sub}) * {tile}",
+          f"blk = tl.load({i_ptr} + {row} * {width} + tl.minimum((t + 1) // {sub}, {width} - 1))")
     body(ind + 1)
 
 
+# Softmax in base 2 where no score_mod sits between the product and the exponent: the scale
+# carries log2(e) (``QK``, a compile-time constant), so each score takes one multiply and
+# exp2 takes it as is (``tl.exp`` multiplies by log2(e) inside). A score_mod's output keeps
+# natural units: its row max is subtracted before anything multiplies it, so a row of
+# equal huge scores (-1e30) still gives exactly 1 at its max.
+_LOG2E, _LN2 = "1.4426950408889634", "0.6931471805599453"
+
+
+def _exp(plan: Plan) -> str:
+    return "tl.exp" if plan.score is not None else "tl.exp2"
+
+
+def _scores(plan: Plan, T: bool = False) -> str:
+    """The product of the scores' tile (transposed: K Q^T), scaled (in log2 units without a score_mod)."""
+    dot = "tl.dot(k, tl.trans(q), input_precision=PREC)" if T else "tl.dot(q, tl.trans(k), input_precision=PREC)"
+    return f"{dot} * {'SCALE' if plan.score is not None else 'QK'}"
+
+
 def _common_head(lines: _Lines):
-    lines(1,
+    lines(1, f"QK = SCALE * {_LOG2E}",
           "ar_q = tl.arange(0, TQ)",
           "ar_k = tl.arange(0, TK)",
           "ar_d = tl.arange(0, D)",
@@ -295,7 +342,7 @@ def _fwd(plan: Plan) -> str:
     def body(masked):
         def emit(ind):
             _kv_tile(lines, ind)
-            lines(ind, "s = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE")
+            lines(ind, f"s = {_scores(plan)}")
             if plan.score is not None:
                 lines(ind, *_col_loads(plan.score, "S"),
                       "s = " + _call(plan.score, plan.score.fwd, "s, b, h, q_idx, kv_idx", "S"))
@@ -305,8 +352,8 @@ def _fwd(plan: Plan) -> str:
             lines(ind,
                   f"m_new = tl.maximum(m_i, {_red('max', 's', 1)})",
                   "m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
-                  "p = tl.exp(s - m_use[:, None])",
-                  "alpha = tl.exp(m_i - m_use)",
+                  f"p = {_exp(plan)}(s - m_use[:, None])",
+                  f"alpha = {_exp(plan)}(m_i - m_use)",
                   f"l_i = l_i * alpha + {_red('sum', 'p', 1)}")
             if plan.dropout:
                 # The row statistics are of all probabilities; V takes the kept ones (the
@@ -327,30 +374,34 @@ def _fwd(plan: Plan) -> str:
           "out = acc / tl.where(alive, l_i, 1.0)[:, None]" + (" * DROP_INV" if plan.dropout else ""),
           "tl.store(OUT + q_off * DV + ar_q[:, None] * (HQ * DV) + ar_dv[None, :], out.to(OUT.dtype.element_ty))",
           "st = (b * HQ + h).to(tl.int64) * SQ + offs_q",
-          "tl.store(ROW_MAX + st, tl.where(alive, m_i, 0.0))",
+          "tl.store(ROW_MAX + st, tl.where(alive, m_i" + ("" if plan.score is not None else f" * {_LN2}")
+          + ", 0.0))",
           "tl.store(ROW_SUM + st, l_i)")
     return "\n".join(lines.lines)
 
 
 # -- backward ----------------------------------------------------------------------------------
 
-def _bwd_tile(lines: _Lines, ind: int, plan: Plan, masked: bool):
-    """P and dS of one tile; with a score_mod, ``g`` holds its VJP (dS first)."""
-    lines(ind, "s_raw = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE")
+def _bwd_tile(lines: _Lines, ind: int, plan: Plan, masked: bool, T: bool = False):
+    """P and dS of one tile (transposed: P^T and dS^T); with a score_mod, ``g`` holds its VJP
+    (dS first)."""
+    rows = _as_rows(T)
     if plan.score is not None:
-        lines(ind, "s = " + _call(plan.score, plan.score.fwd, "s_raw, b, h, q_idx, kv_idx", "S"))
+        lines(ind, f"s_raw = {_scores(plan, T)}",
+              "s = " + _call(plan.score, plan.score.fwd, "s_raw, b, h, q_idx, kv_idx", "S"))
     else:
-        lines(ind, "s = s_raw")
-    lines(ind, "p = tl.exp(s - lse[:, None])")
+        lines(ind, f"s = {_scores(plan, T)}")
+    lines(ind, f"p = {_exp(plan)}(s - lse{rows})")
     if masked:
-        lines(ind, *_col_loads(plan.mask, "M"), *_mask_lines(plan), "p = tl.where(ok, p, 0.0)")
-    lines(ind, "dp = tl.dot(do, tl.trans(v), input_precision=PREC)")
+        lines(ind, *_col_loads(plan.mask, "M", T), *_mask_lines(plan, T), "p = tl.where(ok, p, 0.0)")
+    lines(ind, "dp = " + ("tl.dot(v, tl.trans(do), input_precision=PREC)" if T
+                          else "tl.dot(do, tl.trans(v), input_precision=PREC)"))
     if plan.dropout:
         # pv: what multiplies dO in dV; dP only reaches the kept probabilities.
         lines(ind, _KEEP,
               "pv = tl.where(keep, p * DROP_INV, 0.0)",
               "dp = tl.where(keep, dp * DROP_INV, 0.0)")
-    lines(ind, "ds = p * (dp - delta[:, None])")
+    lines(ind, f"ds = p * (dp - delta{rows})")
     if plan.score is not None:
         lines(ind, "g = " + _call(plan.score, plan.score.bwd, "s_raw, b, h, q_idx, kv_idx", "S", "ds"),
               "ds = g[0]")
@@ -426,7 +477,7 @@ def _dkv(plan: Plan) -> str:
           "b = tl.program_id(2)",
           "kv_start = j * TK")
     _common_head(lines)
-    _kv_tile(lines, 1)
+    _kv_tile(lines, 1, T=True)
     lines(1,
           "dk = tl.full([TK, D], 0.0, tl.float32)",
           "dv = tl.full([TK, DV], 0.0, tl.float32)",
@@ -437,21 +488,22 @@ def _dkv(plan: Plan) -> str:
           "h = kvh * G + gi",
           "col = ((b % LB) * LH + h % LH) * LN + j // SUB_K")
     if gm is not None:
-        lines(2, *_col_loads(gm, "S"))
+        lines(2, *_col_loads(gm, "S", T=True))
     if plan.grads:
         lines(2, *[f"dc{k} = tl.full([TK], 0.0, tl.float32)" for k in plan.float_cols])
 
     def body(masked):
         def emit(ind):
-            _q_tile(lines, ind, do=True)
-            lines(ind, *_row_loads(gm, "S"), *(_row_loads(plan.mask, "M") if masked else []))
-            _bwd_tile(lines, ind, plan, masked)
+            _q_tile(lines, ind, do=True, T=True)
+            lines(ind, *_row_loads(gm, "S", T=True), *(_row_loads(plan.mask, "M", T=True) if masked else []))
+            _bwd_tile(lines, ind, plan, masked, T=True)
+            # P^T and dS^T are the left operands as computed: no transpose of a register tile.
             lines(ind,
-                  f"dv = dv + tl.dot(tl.trans({'pv' if plan.dropout else 'p'}.to(do.dtype)), do, input_precision=PREC)",
-                  "dk = dk + tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)")
+                  f"dv = dv + tl.dot({'pv' if plan.dropout else 'p'}.to(do.dtype), do, input_precision=PREC)",
+                  "dk = dk + tl.dot(ds.to(q.dtype), q, input_precision=PREC)")
             if plan.grads:
                 for pos, k in enumerate(plan.float_cols):
-                    lines(ind, f"dc{k} = dc{k} + {_red('sum', f'g[{1 + n_fr + pos}]', 0)}")
+                    lines(ind, f"dc{k} = dc{k} + {_red('sum', f'g[{1 + n_fr + pos}]', 1)}")
 
         return emit
 
