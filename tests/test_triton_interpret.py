@@ -83,16 +83,21 @@ def test_kernel_options_are_checked():
 
 def test_heuristics():
     o = triton_backend.heuristics(90, (128, 128), 64, jnp.bfloat16)
-    assert (o.block_q, o.block_kv, o.num_warps, o.num_stages) == (128, 64, 4, 3)
+    assert (o.block_q, o.block_kv, o.num_warps, o.num_stages) == (128, 64, 8, 3)
     o = triton_backend.heuristics(90, (128, 128), 128, jnp.bfloat16)
     assert (o.block_q, o.block_kv, o.num_warps, o.num_stages) == (128, 64, 8, 3)
+    # Warpgroup tiles: 64+ q rows in dQ, 64+ kv rows in dK/dV; larger without a table gather.
+    assert (o.bwd_block_q, o.bwd_block_kv, o.dkv_block_q, o.dkv_block_kv) == (64, 16, 16, 64)
+    o = triton_backend.heuristics(90, (128, 128), 128, jnp.bfloat16, gathers=False)
+    assert (o.bwd_block_q, o.bwd_block_kv, o.dkv_block_q, o.dkv_block_kv) == (128, 64, 32, 128)
+    assert (o.bwd_num_stages, o.dkv_num_stages) == (3, 3)
     o = triton_backend.heuristics(90, (128, 128), 128, jnp.float32)
     assert (o.block_q, o.block_kv) == (32, 64)
     o = triton_backend.heuristics(80, (128, 128), 64, jnp.float16)
     assert (o.block_q, o.block_kv, o.num_stages, o.bwd_num_stages) == (128, 64, 2, 2)
     # A smaller power-of-two block is regrouped into the table's tile.
     o = triton_backend.heuristics(90, (64, 16), 64, jnp.bfloat16)
-    assert (o.block_q, o.block_kv, o.bwd_block_q, o.bwd_block_kv) == (128, 64, 32, 64)
+    assert (o.block_q, o.block_kv, o.bwd_block_q, o.bwd_block_kv) == (128, 64, 64, 32)
     # Blocks that are not powers of two: regrouped within the tile, walked in power-of-two kernel tiles.
     o = triton_backend.heuristics(90, (48, 80), 64, jnp.bfloat16)
     assert (o.block_q, o.block_kv, o.bwd_block_q, o.bwd_block_kv) == (96, 80, 48, 80)
@@ -101,11 +106,39 @@ def test_heuristics():
     assert (o.block_q, o.block_kv) == (96, 80)
 
 
+def test_dkv_options_follow_bwd_options():
+    """bwd_* alone sets both backward kernels (as before dkv_* existed); dkv_* sets dK/dV's.
+    The dkv_* options are checked as the bwd_* ones, by name."""
+    import types
+
+    def resolved(options):
+        spec = types.SimpleNamespace(options={"target": "cuda", "compute_capability": 90, **options},
+                                     block_size=(128, 128), dropout_rate=0.0, score=None, mask=None)
+        o = triton_backend._resolve(spec, 128, jnp.bfloat16)
+        return o.bwd_block_q, o.bwd_block_kv, o.dkv_block_q, o.dkv_block_kv, o.dkv_num_warps, o.dkv_num_stages
+
+    assert resolved({}) == (128, 64, 32, 128, 8, 3)  # no mod: TRITON_SM90_NO_GATHER's row
+    assert resolved({"bwd_block_q": 32, "bwd_block_kv": 32, "bwd_num_warps": 4}) == (32, 32, 32, 32, 4, 3)
+    assert resolved({"bwd_block_q": 32, "dkv_block_kv": 64}) == (32, 64, 32, 64, 8, 3)
+
+    q, k, v, _ = inputs(SHAPES["mha"], jnp.float32)
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, 128, 128, block_size=64)
+    with pytest.raises(ValueError, match="dkv_block_q.*divide the BlockMask's block"):
+        flexjax.flex_attention(q, k, v, block_mask=bm, backend="triton", kernel_options={"dkv_block_q": 48})
+    with pytest.raises(ValueError, match="dkv_block_kv.*multiple of 16"):
+        flexjax.flex_attention(q, k, v, block_mask=bm, backend="triton", kernel_options={"dkv_block_kv": 8})
+    with pytest.raises(ValueError, match="dkv_num_warps.*positive int"):
+        flexjax.flex_attention(q, k, v, block_mask=bm, backend="triton", kernel_options={"dkv_num_warps": 0})
+
+
 @pytest.mark.parametrize("block_size,options", [
     ((48, 80), None),  # the BlockMask's own blocks, walked in 16-row power-of-two tiles
     ((64, 64), {"block_q": 192, "block_kv": 128, "bwd_block_q": 192, "bwd_block_kv": 64}),  # a 192 tile
     ((48, 48), {"block_q": 96, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 144}),
-], ids=["block_48x80", "tile_192", "mixed"])
+    # dQ and dK/dV on different tiles (the lists and padding take both: 64 x 128 here).
+    ((64, 64), {"bwd_block_q": 64, "bwd_block_kv": 16, "dkv_block_q": 16, "dkv_block_kv": 128}),
+    ((48, 48), {"bwd_block_q": 96, "bwd_block_kv": 48, "dkv_block_q": 16, "dkv_block_kv": 96}),
+], ids=["block_48x80", "tile_192", "mixed", "dq_dkv_tiles", "dq_dkv_tiles_48"])
 def test_any_multiple_of_16(block_size, options):
     """Blocks and tiles that are multiples of 16 but not powers of two (issue 28): served exactly."""
     shape = (1, 200, 230, 2, 1, 16, 16)

@@ -64,19 +64,22 @@ TILE_FIELDS = ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv")
 LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages")
 
 
-def check_tiles_and_launch(opts: dict, block_size) -> None:
+def check_tiles_and_launch(opts: dict, block_size, tiles=TILE_FIELDS, launch=LAUNCH_FIELDS) -> None:
     """Tiles and launch parameters are positive ints; a tile divides the BlockMask's block or is a multiple of it.
+
+    ``tiles`` / ``launch``: the keys checked (a backend with more tiles passes its own);
+    a tile key ending in ``block_q`` is checked against the block's rows, others its columns.
 
     Raises:
       ValueError: naming the key.
     """
-    for f in TILE_FIELDS + LAUNCH_FIELDS:
+    for f in tuple(tiles) + tuple(launch):
         val = opts.get(f)
         if val is None:
             continue
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
             raise ValueError(f"kernel_options[{f!r}] must be a positive int, got {val!r}")
-        if f in TILE_FIELDS:
+        if f in tiles:
             base = block_size[0] if f.endswith("block_q") else block_size[1]
             if val % base and base % val:
                 raise ValueError(

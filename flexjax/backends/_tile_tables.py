@@ -42,65 +42,91 @@ PALLAS_SM90 = {
 
 # -- triton --------------------------------------------------------------------------------------
 
-# Defaults per (sm, 16-bit or float32 inputs, padded head dim): (fwd block_q, block_kv, warps,
-# stages, bwd block_q, bwd block_kv, warps, stages), each chosen from the compile suite
+# Defaults per (sm, 16-bit or float32 inputs, padded head dim): ((fwd block_q, block_kv, warps,
+# stages), (dQ ...), (dK/dV ...)), each chosen from the compile suite
 # (tests_compile/triton_suite.py: ptxas -v on jax_triton's PTX, catalog x MHA / GQA with
 # gradients; budget 0 B spilled per thread for 16-bit, 1 KiB for float32, and the arch's
-# shared memory). Each comment gives the worst catalog entry's registers / spills / shared
-# memory for the row (the full suite's worst), and what the larger tiles tried spilled (on
-# the GQA entries with mods). The forward rows start from PyTorch FlexAttention's
-# (torch/_inductor/kernel/flex_attention.py); the 16-bit backward ones are mostly 32x64 /
-# 8 warps, as the pallas backend's, where torch's 64x64 spilled. float32 products are
-# exact (FMA, no tensor cores), which holds whole operand rows per thread: its tiles are
-# small, and stages matter (sm_90 f32 D=128 32x64/8w: 3 stages spilled 1268 B, 2 none).
+# shared memory; on sm_90 16-bit also the Hopper shape: wgmma and no mma.sync, loops that keep
+# copies in flight, which takes 3 stages). Each comment gives the worst catalog entry's
+# registers / spills / shared memory for the row, and what the larger tiles tried spilled.
+# A warpgroup MMA takes 64 rows of the tile a kernel accumulates: q rows in the forward and
+# dQ, kv rows in dK/dV (its tiles are kv-major, K Q^T), so dQ tiles are 64+ x n and dK/dV
+# tiles n x 64+. TRITON_SM90 serves every mod, so its rows are those of the table-gather
+# mods (relative_bias, t5: each score element holds a gathered index and value, and the dQ
+# kernel reduces the table's gradient); TRITON_SM90_NO_GATHER has the larger tiles of mods
+# that read no captured array inside the kernels. The forward rows start from PyTorch
+# FlexAttention's (torch/_inductor/kernel/flex_attention.py). float32 products are exact
+# (FMA, no tensor cores), which holds whole operand rows per thread: its tiles are small,
+# and stages matter (sm_90 f32 D=128 32x64/8w: 3 stages spilled 1268 B, 2 none).
 # Not yet timed on hardware.
 TRITON_SM90 = {
-    # fwd 128x64/4w/3st: 255 regs, 0 spills, 129 KiB. bwd 64x64/4w/3st: dQ spilled 1164 B
-    # (per_head_mask+relative_bias); 32x64/8w/2st: dQ 223 / dK/dV 154 regs, 0 spills.
-    (2, 64): (128, 64, 4, 3, 32, 64, 8, 2),
-    # fwd 128x64/8w/3st: 221 regs, 0 spills, 193 KiB (torch's 128x128 needs 241 KiB: a table
-    # gather stages its tile in shared memory). bwd 64x64/8w/3st: dQ spilled 756 B, dK/dV
-    # 968 B (document+t5); 32x64/8w/2st: 226 / 164 regs, 0 spills.
-    (2, 128): (128, 64, 8, 3, 32, 64, 8, 2),
-    # fwd 64x32/4w/3st: 254 regs, 0 spills, 144 KiB. bwd 32x64/8w/2st: 255 / 242 regs, 0
-    # spills, 108 KiB (32x32/8w: 172 / 162 regs).
-    (2, 256): (64, 32, 4, 3, 32, 64, 8, 2),
+    # fwd 128x64/4w/3st spilled 520 B (document+t5) once the list entry is carried across
+    # iterations; 8w: 183 regs, 0 spills, 129 KiB. dQ 64x32/8w/3st: 230 regs, dK/dV
+    # 32x64/8w/3st: 226 regs, 0 spills.
+    (2, 64): ((128, 64, 8, 3), (64, 32, 8, 3), (32, 64, 8, 3)),
+    # fwd 128x64/8w/3st: 253 regs, 0 spills, 193 KiB (torch's 128x128 needs 241 KiB: a table
+    # gather stages its tile in shared memory). dQ 64x64/8w/3st spilled 872 B (document+t5),
+    # 64x32 8 B (captured_scalars); dK/dV 64x64 168 B, 32x64 16 B (document+t5 GQA); dQ
+    # 64x16/8w/3st: 241 regs, dK/dV 16x64/8w/3st: 224 regs, 0 spills, 64 KiB.
+    (2, 128): ((128, 64, 8, 3), (64, 16, 8, 3), (16, 64, 8, 3)),
+    # fwd 64x32/4w/3st: 255 regs, 0 spills, 145 KiB. dQ with a table gradient spills at every
+    # warpgroup tile tried (64x32/8w 2.2 KB, 64x16/8w 1.4-1.5 KB at 1, 2 or 3 stages, 64x32/4w
+    # 2.8 KB), and dK/dV 16x64/8w/3st 16 B: this row keeps the tiles that do not spill, dQ
+    # 32x64/8w/2st (mma.sync, 255 regs) and dK/dV 16x64/8w/2st (wgmma, 255 regs; 2 stages
+    # wait for every copy), the compile suite's one exemption from the Hopper shape.
+    (2, 256): ((64, 32, 4, 3), (32, 64, 8, 2), (16, 64, 8, 2)),
     # fwd 128x32/4w/3st spilled 6.5 KB, 8w 1.5 KB, 64x64/8w 1048 B (neg_inf_score);
     # 64x32/8w/3st: 218 regs, 24 B spilled, 73 KiB. bwd 32x32/8w/2st: 158 / 200 regs, 0 spills.
-    (4, 64): (64, 32, 8, 3, 32, 32, 8, 2),
+    (4, 64): ((64, 32, 8, 3), (32, 32, 8, 2), (32, 32, 8, 2)),
     # fwd 32x64/8w/3st spilled 1268 B, 4w 13.6 KB; 32x64/8w/2st: 94 regs, 0 spills, 96 KiB.
     # bwd 32x32/8w/2st: dK/dV spilled 1208 B, 16x32/8w/2st 1012 B (the edge); 32x16/8w/1st:
     # 91 / 80 regs, 64 / 48 B spilled.
-    (4, 128): (32, 64, 8, 2, 32, 16, 8, 1),
+    (4, 128): ((32, 64, 8, 2), (32, 16, 8, 1), (32, 16, 8, 1)),
     # fwd 32x32/4w/3st spilled 13.6 KB, 64x32/8w 15.7 KB; 32x32/8w/3st: 181 regs, 0 spills,
     # 172 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB, 16x32/8w 8 KB; 32x16/8w/1st: 127 /
     # 110 regs, 0 spills.
-    (4, 256): (32, 32, 8, 3, 32, 16, 8, 1),
+    (4, 256): ((32, 32, 8, 3), (32, 16, 8, 1), (32, 16, 8, 1)),
+}
+# Mods that read no captured array inside the kernels (full, causal, sliding window,
+# documents, padding, ALiBi, soft-cap, ...): no gathered index or value per score element,
+# so larger tiles fit. Keys as TRITON_SM90's; a key missing here takes that table's row.
+TRITON_SM90_NO_GATHER = {
+    # fwd 128x64/8w/3st: 162 regs, 0 spills. dQ 128x64/8w/3st: 177 regs; dK/dV 32x128/8w/3st:
+    # 213 regs, 0 spills.
+    (2, 64): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+    # fwd 128x128/8w takes 2 stages at most (3 need more than 227 KiB), which wait for every
+    # copy: 128x64/8w/3st stays. dQ 128x64/8w/3st: 164-227 regs (causal+dropout), 0 spills,
+    # 160 KiB; dK/dV 64x64/8w/3st spilled 16-24 B (causal, GQA), 32x128/8w/3st: 226-255 regs,
+    # 0 spills, 112 KiB.
+    (2, 128): ((128, 64, 8, 3), (128, 64, 8, 3), (32, 128, 8, 3)),
+    # dQ 64x32/8w/3st: 207 regs, 0 spills, 161 KiB; dK/dV 32x64/8w/3st spilled 16-128 B
+    # (neg_inf_score, MHA), 16x64/8w/3st: 255 regs, 0 spills, 112 KiB.
+    (2, 256): ((64, 32, 4, 3), (64, 32, 8, 3), (16, 64, 8, 3)),
 }
 TRITON_SM80 = {
     # fwd 128x64/4w/2st spilled 24 B (document+t5); 8w: 195 regs, 0 spills, 64 KiB. bwd
     # 64x64/8w: dQ spilled 380 B (per_head_mask+relative_bias), 32x64/8w dK/dV 64 B,
     # 32x64/4w 8 B; 64x32/8w/2st: 255 / 153 regs, 0 spills.
-    (2, 64): (128, 64, 8, 2, 64, 32, 8, 2),
+    (2, 64): ((128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 2)),
     # fwd 128x64/8w/2st: 245 regs, 0 spills, 96 KiB. bwd 64x64/4w: dK/dV spilled 12 B
     # (full, MHA); 32x64/8w/2st: 246 / 165 regs, 0 spills.
-    (2, 128): (128, 64, 8, 2, 32, 64, 8, 2),
+    (2, 128): ((128, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
     # fwd 32x64/4w/2st: 254 regs, 0 spills, 92 KiB. bwd 32x64/8w/2st: 255 / 246 regs, 0
     # spills, 108 KiB.
-    (2, 256): (32, 64, 4, 2, 32, 64, 8, 2),
+    (2, 256): ((32, 64, 4, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
     # fwd 128x32/4w/2st spilled 4.8 KB; 64x32/8w/2st: 124 regs, 36 B spilled, 48 KiB. bwd
     # 32x32/8w/2st: 128 / 209 regs, 0 spills.
-    (4, 64): (64, 32, 8, 2, 32, 32, 8, 2),
+    (4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
     # fwd 64x32/8w/2st: 128 regs, 0 spills, 80 KiB. bwd 32x32/8w/2st: dK/dV spilled 1192 B;
     # 32x16/8w/1st: 110 / 66 regs, dK/dV 12 B spilled.
-    (4, 128): (64, 32, 8, 2, 32, 16, 8, 1),
+    (4, 128): ((64, 32, 8, 2), (32, 16, 8, 1), (32, 16, 8, 1)),
     # fwd 64x32/8w/2st spilled 2.5 KB (per_head_mask+relative_bias); 32x32/8w/2st: 128
     # regs, 0 spills, 104 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB; 32x16/8w/1st: 128 /
     # 115 regs, 0 spills.
-    (4, 256): (32, 32, 8, 2, 32, 16, 8, 1),
+    (4, 256): ((32, 32, 8, 2), (32, 16, 8, 1), (32, 16, 8, 1)),
 }
 
-# Backward kv tiles under dropout, where the table's row has no registers left for the hash:
-# bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and 92+132 B
-# (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
+# The dQ kernel's kv tile under dropout, where the table's row has no registers left for the
+# hash: bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and
+# 92+132 B (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
 TRITON_DROPOUT_BWD_KV = {(2, 256): 32}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from ..._modcompiler import compile_mod
 from .. import _frontend
 from .._contract import Implementation, always, never_raises
 from .._layout import Mods, prologues
-from .._tile_tables import TRITON_DROPOUT_BWD_KV, TRITON_SM80, TRITON_SM90
+from .._tile_tables import TRITON_DROPOUT_BWD_KV, TRITON_SM80, TRITON_SM90, TRITON_SM90_NO_GATHER
 from . import _codegen, _kernels, _launch, _templates, _versions
 
 NAME = "triton"
@@ -42,7 +43,15 @@ class KernelOptions(_frontend.KernelOptionsBase):
     sub-steps per tile, as the pallas backend walks sub-tiles. Unset tiles and launch
     parameters come from the heuristics' table row, fitted to the BlockMask's block by ``_fit``.
 
+    The backward's two kernels take their own tiles: ``bwd_block_q`` / ``bwd_block_kv`` /
+    ``bwd_num_warps`` / ``bwd_num_stages`` are the dQ kernel's, ``dkv_*`` the dK/dV kernel's
+    (a warpgroup MMA needs 64 rows of the tile a kernel accumulates: q rows in dQ, kv rows
+    in dK/dV). A ``dkv_*`` option left unset takes the ``bwd_*`` option when that is given,
+    so ``bwd_*`` alone still sets both kernels; else the table's value.
+
     Attributes:
+      dkv_block_q, dkv_block_kv, dkv_num_warps, dkv_num_stages: the dK/dV kernel's tile and
+        launch parameters.
       compute_capability: the GPU to compile for, as 80 (sm_80) or 90 (sm_90); default
         the device's, 90 when lowering from a CPU host. Also selects the heuristics' table.
       autotune: search a few (num_warps, num_stages) configs per kernel with
@@ -50,6 +59,10 @@ class KernelOptions(_frontend.KernelOptionsBase):
         the search to those values.
     """
 
+    dkv_block_q: int | None = None
+    dkv_block_kv: int | None = None
+    dkv_num_warps: int | None = None
+    dkv_num_stages: int | None = None
     compute_capability: int | None = None
     autotune: bool | None = None
 
@@ -60,21 +73,29 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 _AUTOTUNE = ((4, 2), (4, 3), (8, 2), (8, 3))
 
 
-def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16
-               ) -> KernelOptions:
+def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: int, dtype=jnp.bfloat16,
+               gathers: bool = True) -> KernelOptions:
     """Default tiles and launch parameters for sm_``compute_capability`` (sm_80 and sm_90 tables).
 
     Capabilities from 90 up take the sm_90 row, 80 to 89 the sm_80 row; head dims above 256
-    the 256 row. Each table tile is fitted to the BlockMask's block by ``_fit``.
+    the 256 row. ``gathers``: whether a mod reads a captured array inside the kernels (a
+    table gather holds its indices and values per score element, so such mods take the
+    tables' rows; mods without one can take ``TRITON_SM90_NO_GATHER``'s larger tiles). Each
+    table tile is fitted to the BlockMask's block by ``_fit``.
     """
     bq, bkv = block_size
     d = min(max(64, _frontend.pow2_dim(head_dim)), 256)
-    table = TRITON_SM90 if compute_capability >= 90 else TRITON_SM80
-    fq, fk, fw, fs, bq_, bk_, bw, bs = table[(min(jnp.dtype(dtype).itemsize, 4), d)]
+    key = (min(jnp.dtype(dtype).itemsize, 4), d)
+    if compute_capability >= 90:
+        row = TRITON_SM90[key] if gathers else TRITON_SM90_NO_GATHER.get(key, TRITON_SM90[key])
+    else:
+        row = TRITON_SM80[key]
+    (fq, fk, fw, fs), (dq_q, dq_k, dq_w, dq_s), (kv_q, kv_k, kv_w, kv_s) = row
     return KernelOptions(target="cuda", interpret=False, compute_capability=int(compute_capability),
-                         block_q=_fit(fq, bq), block_kv=_fit(fk, bkv), bwd_block_q=_fit(bq_, bq),
-                         bwd_block_kv=_fit(bk_, bkv), num_warps=fw, num_stages=fs, bwd_num_warps=bw,
-                         bwd_num_stages=bs, autotune=False)
+                         block_q=_fit(fq, bq), block_kv=_fit(fk, bkv), num_warps=fw, num_stages=fs,
+                         bwd_block_q=_fit(dq_q, bq), bwd_block_kv=_fit(dq_k, bkv), bwd_num_warps=dq_w,
+                         bwd_num_stages=dq_s, dkv_block_q=_fit(kv_q, bq), dkv_block_kv=_fit(kv_k, bkv),
+                         dkv_num_warps=kv_w, dkv_num_stages=kv_s, autotune=False)
 
 
 def _pow2_part(n: int) -> int:
@@ -121,6 +142,10 @@ def _host_target() -> str | None:
     return "cuda" if jax.default_backend() in ("gpu", "cuda") and _device_capability() is not None else None
 
 
+_DKV_FIELDS = {"dkv_block_q": "bwd_block_q", "dkv_block_kv": "bwd_block_kv", "dkv_num_warps": "bwd_num_warps",
+               "dkv_num_stages": "bwd_num_stages"}
+
+
 def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
     opts = spec.options
     target, interpret = _frontend.target_and_interpret(spec, _host_target())
@@ -130,19 +155,35 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
         # under 16), so each interpreted step is at most one mask tile.
         bq, bkv = (b if _pow2_part(b) >= 16 else _fit(16, b) for b in spec.block_size)
         default = KernelOptions(block_q=bq, block_kv=bkv, bwd_block_q=bq, bwd_block_kv=bkv, num_warps=4,
-                                num_stages=1, bwd_num_warps=4, bwd_num_stages=1)
+                                num_stages=1, bwd_num_warps=4, bwd_num_stages=1, dkv_block_q=bq, dkv_block_kv=bkv,
+                                dkv_num_warps=4, dkv_num_stages=1)
     else:
-        default = heuristics(cc, spec.block_size, head_dim, dtype)
+        default = heuristics(cc, spec.block_size, head_dim, dtype, gathers=_gathers(spec))
         key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, _frontend.pow2_dim(head_dim)), 256))
         if spec.dropout_rate > 0 and key in TRITON_DROPOUT_BWD_KV:
-            default = dataclasses.replace(default, bwd_block_kv=_fit(TRITON_DROPOUT_BWD_KV[key], spec.block_size[1]))
+            kv = _fit(TRITON_DROPOUT_BWD_KV[key], spec.block_size[1])
+            default = dataclasses.replace(default, bwd_block_kv=min(kv, default.bwd_block_kv))
+    # A dK/dV option left unset follows the user's bwd_* option (which sets both kernels).
+    default = dataclasses.replace(default, **{d: opts[b] for d, b in _DKV_FIELDS.items()
+                                              if opts.get(d) is None and opts.get(b) is not None})
     return _frontend.fill(KernelOptions, spec, default, target=target, interpret=bool(interpret),
                           compute_capability=int(cc), autotune=bool(opts.get("autotune")))
 
 
+def _gathers(spec) -> bool:
+    """Whether a mod of the call reads a captured array inside the kernels (``heuristics``)."""
+    try:
+        _, plan, _ = _plan(spec.score, spec.mask, False)
+    except NotImplementedError:
+        return True
+    return any(gm is not None and gm.arrays for gm in (plan.score, plan.mask))
+
+
 def _check_options(opts: dict, block_size):
     _frontend.check_options(opts, block_size, _TARGETS, bools=("interpret", "autotune"))
-    for f in _frontend.TILE_FIELDS:
+    _frontend.check_tiles_and_launch(opts, block_size, ("dkv_block_q", "dkv_block_kv"),
+                                     ("dkv_num_warps", "dkv_num_stages"))
+    for f in _frontend.TILE_FIELDS + ("dkv_block_q", "dkv_block_kv"):
         val = opts.get(f)
         if val is not None and val % 16:
             raise ValueError(f"kernel_options[{f!r}] must be a multiple of 16 (Triton's tl.dot takes tiles of at "
@@ -216,28 +257,45 @@ def supports(spec, q, k, v) -> str | None:
 FORWARD = BACKWARD = (Implementation("kernels", always),)
 
 
-def _autotune_configs(spec, o: KernelOptions, backward: bool):
+_PASS_FIELDS = {"fwd": ("num_warps", "num_stages"), "dq": ("bwd_num_warps", "bwd_num_stages"),
+                "dkv": ("dkv_num_warps", "dkv_num_stages")}
+
+
+def _autotune_configs(spec, o: KernelOptions, kernel: str):
     """The autotune search: the heuristics' pair and ``_AUTOTUNE``, restricted to given warps / stages."""
     opts = spec.options
-    w_key, s_key = ("bwd_num_warps", "bwd_num_stages") if backward else ("num_warps", "num_stages")
+    w_key, s_key = _PASS_FIELDS[kernel]
     warps, stages = getattr(o, w_key), getattr(o, s_key)
     configs = {(warps, stages), *_AUTOTUNE}
     return tuple(sorted((w, s) for w, s in configs
                         if (opts.get(w_key) is None or w == warps) and (opts.get(s_key) is None or s == stages)))
 
 
-def _run(spec, o: KernelOptions, backward: bool):
-    warps, stages = (o.bwd_num_warps, o.bwd_num_stages) if backward else (o.num_warps, o.num_stages)
-    return _kernels.Launch(interpret=o.interpret, num_warps=warps, num_stages=stages,
+def _run(spec, o: KernelOptions, kernel: str):
+    """The launch parameters of ``kernel``: "fwd", "dq" or "dkv"."""
+    w_key, s_key = _PASS_FIELDS[kernel]
+    return _kernels.Launch(interpret=o.interpret, num_warps=getattr(o, w_key), num_stages=getattr(o, s_key),
                            compute_capability=o.compute_capability,
-                           autotune=_autotune_configs(spec, o, backward) if o.autotune else None,
+                           autotune=_autotune_configs(spec, o, kernel) if o.autotune else None,
                            chunk=16 if o.interpret else 2)
 
 
 def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
-    tq, tk = (o.bwd_block_q, o.bwd_block_kv) if backward else (o.block_q, o.block_kv)
-    g, lists, qp, kp, vp = _frontend.prepare(spec, q, k, v, lists, tq, tk, _frontend.pow2_dim)
-    return dataclasses.replace(g, tq=_kernel_tile(tq), tk=_kernel_tile(tk)), lists, qp, kp, vp
+    """Geometry (per kernel), lists and padded inputs of one pass.
+
+    The backward's lists and padding take both kernels' tiles (the least common multiple of
+    each pair, a divisor or multiple of the block as both are); each kernel walks them in
+    its own power-of-two kernel tiles. Returns ``(geoms, lists, q, k, v)``, ``geoms`` the
+    forward's one ``Geom`` or the backward's (dQ, dK/dV) pair.
+    """
+    if not backward:
+        g, lists, qp, kp, vp = _frontend.prepare(spec, q, k, v, lists, o.block_q, o.block_kv, _frontend.pow2_dim)
+        return dataclasses.replace(g, tq=_kernel_tile(o.block_q), tk=_kernel_tile(o.block_kv)), lists, qp, kp, vp
+    cq, ck = math.lcm(o.bwd_block_q, o.dkv_block_q), math.lcm(o.bwd_block_kv, o.dkv_block_kv)
+    g, lists, qp, kp, vp = _frontend.prepare(spec, q, k, v, lists, cq, ck, _frontend.pow2_dim)
+    g_dq = dataclasses.replace(g, tq=_kernel_tile(o.bwd_block_q), tk=_kernel_tile(o.bwd_block_kv))
+    g_dkv = dataclasses.replace(g, tq=_kernel_tile(o.dkv_block_q), tk=_kernel_tile(o.dkv_block_kv))
+    return (g_dq, g_dkv), lists, qp, kp, vp
 
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
@@ -251,7 +309,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
-                                             _run(spec, o, backward=False),
+                                             _run(spec, o, "fwd"),
                                              **_frontend.dropout_args(spec, dropout_seed))
     return _frontend.forward_results(q, v, out, row_max, row_sum)
 
@@ -268,9 +326,10 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     o = _resolve(spec, q.shape[-1], q.dtype)
     wanted = any(grad_consts)
     mods, plan, source = _plan(spec.score, spec.mask, wanted, bool(spec.dropout_rate))
-    g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
+    (g, g_dkv), lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     lse_safe, delta, dop = _frontend.backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
-    grads = _kernels.backward(plan, source, g, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro, m_pro,
-                              _run(spec, o, backward=True), **_frontend.dropout_args(spec, dropout_seed))
+    grads = _kernels.backward(plan, source, (g, g_dkv), spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro,
+                              m_pro, (_run(spec, o, "dq"), _run(spec, o, "dkv")),
+                              **_frontend.dropout_args(spec, dropout_seed))
     return _frontend.backward_results(spec, q, v, g, mods.score, score_consts, plan.grads, grads)

@@ -105,9 +105,12 @@ def forward(plan: Plan, source: str, g: Geom, scale, q, k, v, lists, s_pro: Prol
     return out, row_max, row_sum
 
 
-def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, lists, s_pro: Prologue,
-             m_pro: Prologue, run: Launch, rate: float = 0.0, seed=None):
+def backward(plan: Plan, source: str, geoms: tuple[Geom, Geom], scale, q, k, v, do, lse, delta, lists,
+             s_pro: Prologue, m_pro: Prologue, runs: tuple[Launch, Launch], rate: float = 0.0, seed=None):
     """Padded inputs as in ``forward``; lse (-inf replaced by 0) and delta (B, Hq, sq) float32.
+
+    ``geoms`` and ``runs``: the dQ and the dK/dV kernel's tiles and launch parameters (the
+    same lists and padding, their own kernel tiles).
 
     Returns dq, dk, dv (padded) and, when ``plan.grads``, the score_mod's gradients: per row
     / col (B, Hq, sq, 1) / (B, Hq, 1, skv) float32 (None for non-float ones), per array its
@@ -117,7 +120,8 @@ def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, l
     drop_args, drop_consts = _dropout_args(plan, rate, seed)
     common = {"Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta, **_pro_args(s_pro, "S"),
               **_pro_args(m_pro, "M"), **drop_args}
-    nq, nk = g.sq // g.tq, g.skv // g.tk
+    (g, g_kv), (run, run_kv) = geoms, runs
+    nq, nk = g.sq // g.tq, g_kv.skv // g_kv.tk
 
     # dQ, and the row and array-read gradients.
     kv_n, kv_i = _lists(lists.kv_num, lists.kv_idx)
@@ -139,13 +143,13 @@ def backward(plan: Plan, source: str, g: Geom, scale, q, k, v, do, lse, delta, l
     # dK/dV, and the column gradients.
     q_n, q_i = _lists(lists.q_num, lists.q_idx)
     fq_n, fq_i = _lists(lists.full_q_num, lists.full_q_idx)
-    consts = {**_common(g, scale, D, Dv, q_n, q_i, fq_i, s_pro, m_pro, q.dtype), **drop_consts}
+    consts = {**_common(g_kv, scale, D, Dv, q_n, q_i, fq_i, s_pro, m_pro, q.dtype), **drop_consts}
     out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if plan.grads:
         out_shapes += [jax.ShapeDtypeStruct((g.B, g.Hq, g.skv), jnp.float32) for _ in plan.float_cols]
     args = {"Q_N": q_n, "Q_I": q_i, "FQ_N": fq_n, "FQ_I": fq_i, **common}
     dk, dv, *dcols = _call(source, _templates.DKV, _templates.dkv_params(plan), args, out_shapes,
-                           (nk, g.Hkv, g.B), consts, run)
+                           (nk, g.Hkv, g.B), consts, run_kv)
 
     if not plan.grads:
         none = lambda xs: tuple(None for _ in xs)  # noqa: E731
