@@ -35,7 +35,8 @@ class KernelOptionsBase:
       interpret: run the kernels in an interpreter on the host; default True on a CPU host
         when no target is given.
       block_q, block_kv: forward tile.
-      bwd_block_q, bwd_block_kv: tile of both backward kernels.
+      bwd_block_q, bwd_block_kv: tile of the backward kernels (the triton backend's dQ kernel;
+        its dK/dV kernel has its own ``dkv_*`` options).
       num_warps, num_stages: forward Triton launch parameters (GPU).
       bwd_num_warps, bwd_num_stages: backward Triton launch parameters (GPU).
     """

@@ -82,10 +82,12 @@ TRITON_SM90 = {
     # bwd 32x32/8w/2st: dK/dV spilled 1208 B, 16x32/8w/2st 1012 B (the edge); 32x16/8w/1st:
     # 91 / 80 regs, 64 / 48 B spilled.
     (4, 128): ((32, 64, 8, 2), (32, 16, 8, 1), (32, 16, 8, 1)),
-    # fwd 32x32/4w/3st spilled 13.6 KB, 64x32/8w 15.7 KB; 32x32/8w/3st: 181 regs, 0 spills,
-    # 172 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB, 16x32/8w 8 KB; 32x16/8w/1st: 127 /
-    # 110 regs, 0 spills.
-    (4, 256): ((32, 32, 8, 3), (32, 16, 8, 1), (32, 16, 8, 1)),
+    # fwd 32x32/4w/3st spilled 13.6 KB, 64x32/8w 15.7 KB; 32x32/8w/3st: 181 regs until the
+    # loops pipelined (list entry carried across iterations), then 16-35 KB spilled at 3 and
+    # 2 stages (float32 operands are pipelined in registers); 32x32/8w/1st: 183 regs, 0
+    # spills, 96 KiB. bwd 32x32/8w/2st: dK/dV spilled 8.2 KB, 16x32/8w 8 KB; 32x16/8w/1st:
+    # 127 / 112 regs, 0 spills.
+    (4, 256): ((32, 32, 8, 1), (32, 16, 8, 1), (32, 16, 8, 1)),
 }
 # Mods that read no captured array inside the kernels (full, causal, sliding window,
 # documents, padding, ALiBi, soft-cap, ...): no gathered index or value per score element,
@@ -108,12 +110,14 @@ TRITON_SM80 = {
     # 64x64/8w: dQ spilled 380 B (per_head_mask+relative_bias), 32x64/8w dK/dV 64 B,
     # 32x64/4w 8 B; 64x32/8w/2st: 255 / 153 regs, 0 spills.
     (2, 64): ((128, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 2)),
-    # fwd 128x64/8w/2st: 245 regs, 0 spills, 96 KiB. bwd 64x64/4w: dK/dV spilled 12 B
-    # (full, MHA); 32x64/8w/2st: 246 / 165 regs, 0 spills.
-    (2, 128): ((128, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
-    # fwd 32x64/4w/2st: 254 regs, 0 spills, 92 KiB. bwd 32x64/8w/2st: 255 / 246 regs, 0
-    # spills, 108 KiB.
-    (2, 256): ((32, 64, 4, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
+    # fwd 128x64/8w/2st: 245 regs until the list entry was carried across iterations, then
+    # 8 B spilled (document+t5 GQA); 128x32/8w/2st: 196 regs, 0 spills, 64 KiB. bwd 64x64/4w:
+    # dK/dV spilled 12 B (full, MHA); 32x64/8w/2st: 254 / 216 regs, 0 spills.
+    (2, 128): ((128, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
+    # fwd 32x64/4w/2st: 254 regs, 0 spills, 92 KiB. dQ 32x64/8w/2st spilled 24 B with a table
+    # gradient (captured_scalars, relative_bias; dQ since the loops pipeline), 32x32/8w/2st:
+    # 255 regs, 0 spills, 64 KiB; dK/dV 32x64/8w/2st: 255 regs, 0 spills, 108 KiB.
+    (2, 256): ((32, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2)),
     # fwd 128x32/4w/2st spilled 4.8 KB; 64x32/8w/2st: 124 regs, 36 B spilled, 48 KiB. bwd
     # 32x32/8w/2st: 128 / 209 regs, 0 spills.
     (4, 64): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
@@ -126,7 +130,9 @@ TRITON_SM80 = {
     (4, 256): ((32, 32, 8, 2), (32, 16, 8, 1), (32, 16, 8, 1)),
 }
 
-# The dQ kernel's kv tile under dropout, where the table's row has no registers left for the
-# hash: bf16 D=256 at 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and
-# 92+132 B (sm_80) with dropout (255 registers without it); 32x32 is the row's measured fallback.
-TRITON_DROPOUT_BWD_KV = {(2, 256): 32}
+# The backward's kv tiles under dropout, where the table's row has no registers left for the
+# hash, per (sm, bytes, head dim): (dQ's, dK/dV's or None to keep the row's). bf16 D=256 at
+# 32x64/8w, dQ of prefix_lm+relative_bias spilled 88+164 B (sm_90) and 92+132 B (sm_80) with
+# dropout (255 registers without it); on sm_80 its dK/dV 32x64 spilled 88 B, 32x32: 178 regs,
+# 0 spills. 32x32 is the measured fallback.
+TRITON_DROPOUT_BWD_KV = {(90, 2, 256): (32, None), (80, 2, 256): (32, 32)}

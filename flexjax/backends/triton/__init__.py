@@ -159,10 +159,15 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
                                 dkv_num_warps=4, dkv_num_stages=1)
     else:
         default = heuristics(cc, spec.block_size, head_dim, dtype, gathers=_gathers(spec))
-        key = (min(jnp.dtype(dtype).itemsize, 4), min(max(64, _frontend.pow2_dim(head_dim)), 256))
+        key = (90 if cc >= 90 else 80, min(jnp.dtype(dtype).itemsize, 4),
+               min(max(64, _frontend.pow2_dim(head_dim)), 256))
         if spec.dropout_rate > 0 and key in TRITON_DROPOUT_BWD_KV:
-            kv = _fit(TRITON_DROPOUT_BWD_KV[key], spec.block_size[1])
-            default = dataclasses.replace(default, bwd_block_kv=min(kv, default.bwd_block_kv))
+            dq_kv, dkv_kv = TRITON_DROPOUT_BWD_KV[key]
+            default = dataclasses.replace(default, bwd_block_kv=min(_fit(dq_kv, spec.block_size[1]),
+                                                                    default.bwd_block_kv))
+            if dkv_kv is not None:
+                default = dataclasses.replace(default, dkv_block_kv=min(_fit(dkv_kv, spec.block_size[1]),
+                                                                        default.dkv_block_kv))
     # A dK/dV option left unset follows the user's bwd_* option (which sets both kernels).
     default = dataclasses.replace(default, **{d: opts[b] for d, b in _DKV_FIELDS.items()
                                               if opts.get(d) is None and opts.get(b) is not None})
