@@ -274,7 +274,9 @@ def table(rows, seconds, jobs) -> str:
     n_fail = sum(bool(f) for f in fails.values())
     lines = [f"Triton compile suite: {len(rows)} entries, {n_fail} failing, {seconds:.0f} s with {jobs} workers "
              f"(triton.compile through jax-triton for sm_90 and sm_80; ptxas -v from Triton's bundle).", "",
-             "Worst case per (arch, kernel, dtype, D), over the catalog and MHA/GQA:", "",
+             "Worst case per (arch, kernel, dtype, D, tiles / warps / stages), over the catalog and MHA/GQA "
+             "(on sm_90, 16-bit, mods that gather from a captured array take other tiles than those that do not):",
+             "",
              "(wgmma / mma.sync: the most per kernel; cp.async waits: the depths `cp.async.wait_group` takes, over "
              "the entries.)", "",
              "| arch | kernel | dtype | D | tiles | warps | stages | max smem (B) | max registers | max spills (B) "
@@ -283,13 +285,14 @@ def table(rows, seconds, jobs) -> str:
     summary = {}
     for r in rows:
         for kind, k in r.get("kernels", {}).items():
-            s = summary.setdefault((r["arch"], kind, r["dtype"], r["head_dim"]), [k["tiles"], k["warps"], k["stages"],
-                                                                                0, 0, 0, 0, 0, set()])
+            s = summary.setdefault((r["arch"], kind, r["dtype"], r["head_dim"], k["tiles"], k["warps"], k["stages"]),
+                                   [k["tiles"], k["warps"], k["stages"], 0, 0, 0, 0, 0, set()])
             s[3], s[4], s[5] = max(s[3], k["smem"]), max(s[4], k["regs"]), max(s[5], k["spill_st"] + k["spill_ld"])
             s[6], s[7] = max(s[6], k.get("wgmma", 0)), max(s[7], k.get("mma_sync", 0))
             s[8] |= set(k.get("waits", ()))
-    for (arch, kind, dt, d), (tiles, w, st, smem, regs, spill, wg, ms, waits) in sorted(summary.items(), key=lambda x: (
-            -x[0][0], ("fwd", "dq", "dkv").index(x[0][1]) if x[0][1] in ("fwd", "dq", "dkv") else 9, x[0][2], x[0][3])):
+    for (arch, kind, dt, d, *_), (tiles, w, st, smem, regs, spill, wg, ms, waits) in sorted(
+            summary.items(), key=lambda x: (-x[0][0], ("fwd", "dq", "dkv").index(x[0][1]) if x[0][1] in (
+                "fwd", "dq", "dkv") else 9, x[0][2], x[0][3], str(x[0][4:]))):
         depth = ",".join(map(str, sorted(waits))) or "-"
         lines.append(f"| sm_{arch} | {kind} | {short[dt]} | {d} | {tiles} | {w} | {st} | {smem} | {regs} | {spill} "
                      f"| {wg} | {ms} | {depth} |")
@@ -308,12 +311,17 @@ def main():
                     help='kernel_options added to every entry, as JSON (to measure other tiles: '
                          '\'{"bwd_block_q": 64, "bwd_num_stages": 3}\')')
     ap.add_argument("--rows", default=None, help="also write every entry's row (JSON lines) here")
+    ap.add_argument("--table-from", default=None, help="only print the table of rows written by --rows")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
         sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
         worker([Config(**c) for c in spec["cfgs"]], spec["results"])
+        return 0
+    if args.table_from:
+        with open(args.table_from) as f:
+            print(table([json.loads(line) for line in f if line.strip()], 0, 0))
         return 0
     cfgs = configs(args.only, args.all_heads)
     t0 = time.perf_counter()
