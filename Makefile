@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-compile bench lint clean
+.PHONY: demo test test-all test-compile bench lint clean wheel gpu-check-rehearsal
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,26 @@ test-compile: $(CSTAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m benchmarks.run --suite full --torch
+
+# The jax-triton wheel the GPU machine lacks (it has no network), and absl-py, which jax-triton imports
+# and neither JAX nor Triton installs: pure Python, so one wheel serves every Python there;
+# benchmarks/gpu_check.sh puts those whose module does not import on PYTHONPATH as they are.
+# Carry .whl/ with the tree (README, "GPU").
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps jax-triton==0.3.1 absl-py==2.5.1 -w .whl
+
+# benchmarks/gpu_check.sh end to end on CPU: tiny shapes, the kernels in their interpreters, XLA in
+# cuDNN's place (about 2 minutes on 2 cores). Triton's interpreter needs make test-compile's venv;
+# without it triton is left out and said so.
+REHEARSAL_OUT := build/gpu_check_rehearsal
+gpu-check-rehearsal: $(if $(wildcard $(CPY)),,$(STAMP))
+	@if test -x $(CPY); then \
+	  JAX_PLATFORMS=cpu FLEXJAX_GPU_CHECK_ALLOW_CPU=1 PYTHON=$(CPY) bash benchmarks/gpu_check.sh $(REHEARSAL_OUT); \
+	else \
+	  echo "gpu-check-rehearsal: no $(CPY) (make test-compile's venv), so no Triton interpreter: pallas only"; \
+	  JAX_PLATFORMS=cpu FLEXJAX_GPU_CHECK_ALLOW_CPU=1 FLEXJAX_GPU_BACKENDS=pallas PYTHON=$(PY) \
+	    bash benchmarks/gpu_check.sh $(REHEARSAL_OUT); \
+	fi
 
 # ruff pinned: a new release's rules would otherwise fail CI on unchanged code.
 lint: $(STAMP)

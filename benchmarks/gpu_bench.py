@@ -1,23 +1,45 @@
-"""GPU benchmark: flexjax ``pallas`` and ``triton`` vs cuDNN (``jax.nn.dot_product_attention``) and ``xla``.
+"""GPU timing for gpu_check.sh: each pass against cuDNN, the sparsity payoff, and a sweep of triton tiles.
 
-    python benchmarks/gpu_bench.py --out bench.jsonl [--summary bench.json] [--deadline-s 240]
+    python benchmarks/gpu_bench.py --section timing|sparsity|sweep --out FILE.jsonl [--deadline-s 100]
+        [--rehearsal]
 
-bfloat16, B=4, H=16, D=128, S in {4096, 16384}; no mask, causal, sliding window 1024,
-causal documents, causal + ALiBi, causal + soft-cap; forward and forward+backward.
-Effective TFLOP/s count only unmasked pairs (backward = 2.5x forward), as in
-benchmarks/specs.py.
+Sections (gpu_check.sh runs each as its own step, in this order):
 
-cuDNN gets each variant in the form it runs natively: causal and the sliding window as
-flags; the documents (equal, so no segment ids are needed) as B*docs causal sequences of
-S/docs, the same attention; ALiBi as a dense (1, H, S, S) bias where one fits in memory
-(the comparison for "variants cuDNN cannot express"). Soft-cap has no cuDNN form. Masks,
-biases and BlockMasks are arguments of the timed function, never compile-time constants:
-a captured dense mask cost 25-59 s of compile each.
+- ``timing``: bfloat16, B=4, Hq=16 over Hkv=4 (GQA), S=8192, D=128, causal and full; the
+  forward alone and the backward alone, for ``triton``, ``pallas`` and cuDNN
+  (``jax.nn.dot_product_attention(implementation="cudnn")``, causal as its flag).
+- ``sparsity``: a causal sliding window of 1024 and 8 causal documents at S=16384 and
+  32768 (B=1): the kernels against cuDNN given the same mask as a dense (1, 1, S, S)
+  boolean (which it turns into an additive bias and computes in full; its backward also
+  computes that bias's gradient, which JAX always asks cuDNN for, so the forward is the
+  cleaner comparison), and against cuDNN's own form where it has one (the window as
+  ``local_window_size``; the equal documents as B*8 causal sequences of S/8, the same
+  attention).
+- ``sweep``: triton, causal, the timing shape: a handful of (block_q, block_kv, num_warps,
+  num_stages) points through ``kernel_options``, forward and backward (``bwd_*``: both
+  backward kernels; ``dkv_*``, where the backend takes it: the dK/dV kernel alone), beside
+  the heuristics' choice; a point the backend or Triton rejects is "refused", with the reason.
 
-Each length's functions are traced in turn and compiled concurrently on a thread pool
-(XLA compiles without the GIL); all of them finish compiling before the first is timed,
-so no compile or autotuning runs beside a measurement. Each result is one JSON line in
-``--out``, written as soon as it exists; after ``--deadline-s`` no new measurement starts.
+The backward alone is the call of a ``jax.vjp`` closure (its residuals computed once,
+outside the timing) on dO: what a training step runs after its forward. Each measurement is
+``--calls`` (20) back-to-back calls per synchronisation, ``--reps`` times after one warm-up
+call; ms is the median per call. TFLOP/s count only unmasked (q, kv) pairs (benchmarks/
+specs.py): a forward is 4 * D flops per pair per (batch, query head), a backward alone 2.5
+times that (5 matmuls against 2); the dense-mask baseline is credited with the same
+unmasked pairs, so its TFLOP/s are effective ones. ``vs_<baseline>`` = baseline ms / ms:
+above 1 is faster than the baseline.
+
+The functions run in groups, most important first (timing: causal, then full). A group's
+functions are lowered first, then compiled concurrently on a thread pool (XLA compiles
+without the GIL), then timed one at a time, so no compile runs beside a measurement. A
+backward compiles in a second wave, after its residuals exist. Each result is one JSON line
+in ``--out``, written as soon as it exists; after ``--deadline-s`` no compile or measurement
+starts (those left are "skip" lines with reason "deadline"); gpu_check.sh passes its own
+deadline as ``--deadline-at`` (its clock), so JAX's import counts too.
+
+``--rehearsal`` runs the section on CPU: tiny float32 shapes, the kernels in their
+interpreters, and ``jax.nn.dot_product_attention(implementation="xla")`` in cuDNN's place
+(labelled "xla": the ratios are then against XLA, not cuDNN).
 """
 
 from __future__ import annotations
@@ -29,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 import jax
@@ -39,240 +62,447 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flexjax  # noqa: E402
 from benchmarks.specs import FWD_BWD_FACTOR, FWD_FLOPS_PER_PAIR_PER_DIM, document_ids, unmasked_pairs  # noqa: E402
 
-WINDOW = 1024
+SECTIONS = ("timing", "sparsity", "sweep")
+KERNELS = ("triton", "pallas")
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+PASSES = ("fwd", "bwd")
+# The backward alone: forward + backward is 3.5x a forward (specs.py), the forward 1x.
+BWD_FACTOR = FWD_BWD_FACTOR - 1.0
+FLOP_CONVENTION = (f"effective: only unmasked (q, kv) pairs count; forward {FWD_FLOPS_PER_PAIR_PER_DIM} * D flops "
+                   f"per pair per (batch, query head) (QK^T and PV); backward alone {BWD_FACTOR}x the forward "
+                   "(5 matmuls against 2; benchmarks/specs.py); the dense-mask baseline is credited with the same "
+                   "unmasked pairs")
 DOCS = 8
-# name -> (mask family for flop counting, score_mod)
-VARIANTS = {"none": ("full", None), "causal": ("causal", None), "sliding_window": ("sliding_window", None),
-            "documents": ("causal_documents", None), "alibi": ("causal", "alibi"),
-            "soft_cap": ("causal", "soft_cap")}
-MODES = ("fwd", "fwd+bwd")
-IMPLS = ("pallas", "triton", "cudnn", "xla")
-# Timed in this order within a length: the two kernel backends beside their cuDNN baseline
-# for every variant first, the xla fallback last, so a deadline drops the least important
-# measurements.
-IMPL_GROUPS = (("pallas", "triton", "cudnn"), ("xla",))
-# Dense cuDNN biases above this many bytes are skipped (they are the O(S^2) cost that
-# flexjax avoids; at S=16384 a bf16 (1, H, S, S) bias is 8 GiB).
-DENSE_LIMIT_BYTES = 4 << 30
-# A length starts only with this much time to the deadline: its compiles all finish before
-# its first measurement, so a length started later would compile and then time nothing.
-MIN_LENGTH_S = 60
-# Timed calls per measurement: enough for ~TARGET_S of timing, within [MIN_RUNS, MAX_RUNS].
-TARGET_S, MIN_RUNS, MAX_RUNS = 1.0, 3, 10
-# The Triton lowering is flexjax's GPU path (DESIGN.md); JAX 0.11 warns that it is deprecated.
+# variant -> mask family of specs.unmasked_pairs
+FAMILIES = {"full": "full", "causal": "causal", "sliding_window": "sliding_window", "documents": "causal_documents"}
+# (block_q, block_kv, num_warps, num_stages) tried by the sweep, beside the heuristics' own
+# (sm_90, 16-bit, D=128, mods without a table gather: forward 128x64 / 8 warps / 3 stages, dQ
+# 128x64 / 8 / 3, dK/dV 32x128 / 8 / 3; flexjax/backends/_tile_tables.py). Tiles must divide
+# the BlockMask's block (128) or be multiples of it; 128x128 forward tiles at 3 stages need
+# more than sm_90's 227 KiB of shared memory, so expect a refusal or a failed compile there.
+FWD_POINTS = "128,64,8,3;128,128,8,2;128,128,8,3;128,64,4,3;128,64,8,4;64,64,4,3;128,32,8,3"
+# bwd_* points set both backward kernels (a dK/dV option left unset follows them).
+BWD_POINTS = "128,64,8,3;64,64,8,3;64,32,8,3;128,32,8,3;64,128,8,3;128,64,8,2;64,64,4,3"
+# The dK/dV kernel alone (dQ keeps the heuristics'): a warpgroup MMA wants 64+ kv rows.
+DKV_POINTS = "32,128,8,3;64,64,8,3;64,128,8,3;16,64,8,3;32,64,8,3"
+# A measurement is cut to fewer repetitions when its warm-up says it would take longer than this.
+MAX_MEASURE_S = 10.0
+
+DEFAULTS = {"timing": {"lengths": "8192", "batch": 4},
+            "sparsity": {"lengths": "16384,32768", "batch": 1, "reps": 3},
+            "sweep": {"lengths": "8192", "batch": 4}}
+COMMON = {"heads": "16,4", "head_dim": 128, "dtype": "bfloat16", "block": 128, "window": 1024, "calls": 20,
+          "reps": 5, "baseline": "cudnn", "fwd_points": FWD_POINTS, "bwd_points": BWD_POINTS,
+          "dkv_points": DKV_POINTS}
+# CPU rehearsal: a few seconds a measurement in the interpreters on 2 cores, in float32 (XLA:CPU
+# has no float16 dot with float32 accumulation; Triton's interpreter computes bfloat16 dots
+# wrong). 48 is not a divisor of the 128 block: that point exercises the refusal path.
+REHEARSAL = {"heads": "4,2", "head_dim": 32, "dtype": "float32", "window": 40, "calls": 2, "reps": 2,
+             "baseline": "xla", "interpret": True, "fwd_points": "64,64,4,2;48,64,4,2", "bwd_points": "32,64,4,2",
+             "dkv_points": "64,32,4,2"}
+REHEARSAL_SECTIONS = {"timing": {"lengths": "128", "batch": 1}, "sparsity": {"lengths": "256", "batch": 1},
+                      "sweep": {"lengths": "128", "batch": 1}}
+# The Triton lowering is flexjax's GPU path; JAX 0.11 warns that it is deprecated.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 
-def _flex(S, H, variant, backend):
-    """(f(q, k, v, *extra), extra): flexjax with the BlockMask passed as an argument."""
-    family, score = VARIANTS[variant]
-    if family == "full":
-        mask = None
-    elif family == "causal":
-        mask = flexjax.masks.causal
-    elif family == "sliding_window":
-        mask = flexjax.masks.sliding_window(WINDOW)
-    else:
-        mask = flexjax.and_masks(flexjax.masks.causal, flexjax.masks.document(document_ids(S, DOCS)))
-    score_mod = {None: None, "alibi": flexjax.mods.alibi(H), "soft_cap": flexjax.mods.soft_cap(30.0)}[score]
-    if mask is None:
-        return (lambda q, k, v: flexjax.flex_attention(q, k, v, score_mod, backend=backend)), ()
-    bm = flexjax.create_block_mask(mask, None, None, S, S)
-    return (lambda q, k, v, bm: flexjax.flex_attention(q, k, v, score_mod, bm, backend=backend)), (bm,)
+class Log:
+    """Appends one JSON line per record (the file starts empty) and echoes it."""
 
-
-def _cudnn(S, H, variant):
-    """(f(q, k, v, *extra), extra), or a string: why cuDNN has no form of the variant."""
-
-    def attention(q, k, v, bias=None, **kw):
-        return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn", **kw)
-
-    if variant == "none":
-        return attention, ()
-    if variant == "causal":
-        return (lambda q, k, v: attention(q, k, v, is_causal=True)), ()
-    if variant == "sliding_window":
-        return (lambda q, k, v: attention(q, k, v, is_causal=True, local_window_size=(WINDOW, 0))), ()
-    if variant == "documents":
-        if S % DOCS:
-            return f"documents of unequal length (S={S}, {DOCS} documents) need segment ids"
-
-        def packed(q, k, v):
-            B = q.shape[0]
-            split = lambda x: x.reshape(B * DOCS, S // DOCS, *x.shape[2:])  # noqa: E731
-            return attention(split(q), split(k), split(v), is_causal=True).reshape(q.shape)
-
-        return packed, ()
-    if variant == "alibi":
-        if 2 * H * S * S > DENSE_LIMIT_BYTES:
-            return "dense (1, H, S, S) ALiBi bias too large"
-        slopes = jnp.asarray(flexjax.mods.alibi_slopes(H), jnp.float32)
-        rel = (jnp.arange(S)[None, :] - jnp.arange(S)[:, None]).astype(jnp.float32)
-        bias = (slopes[:, None, None] * rel)[None].astype(jnp.bfloat16)
-        return (lambda q, k, v, bias: attention(q, k, v, bias, is_causal=True)), (bias,)
-    return "cuDNN has no soft-cap; see causal for its causal time"
-
-
-def _fwd_bwd(f):
-    def loss(q, k, v, *extra):
-        return jnp.sum(f(q, k, v, *extra).astype(jnp.float32))
-
-    return jax.grad(loss, argnums=(0, 1, 2))
-
-
-def _time(compiled, args) -> tuple[float, int]:
-    """(median ms, runs) after one warm-up call; as many runs as fit in about TARGET_S."""
-    jax.block_until_ready(compiled(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times = [time.perf_counter() - t]
-    runs = max(MIN_RUNS, min(MAX_RUNS, int(TARGET_S / max(times[0], 1e-6))))
-    for _ in range(runs - 1):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times), len(times)
-
-
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e)[:300]}"
-
-
-class _Log:
-    """Appends one JSON line per record and keeps them for the summary."""
-
-    def __init__(self, path: str):
-        self.path, self.records = path, []
+    def __init__(self, path: str, **common):
+        self.path, self.common, self.records = path, common, []
         open(path, "w").close()
 
     def __call__(self, **record):
+        record = {**self.common, **record}
         self.records.append(record)
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
 
-def _length(S, shape, variants, impls, log, pool, deadline):
-    """Compiles every (variant, mode, impl) at length S concurrently, then times them in turn."""
-    B, H, D = shape
-    ks = jax.random.split(jax.random.key(S), 3)
-    q, k, v = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in ks)
-    start = time.perf_counter()
-    jobs = []
-    for group in IMPL_GROUPS:
-        for variant, mode, impl in ((v, m, i) for v in variants for m in MODES for i in group if i in impls):
-            key = {"S": S, "variant": variant, "mode": mode, "impl": impl}
-            if time.perf_counter() > deadline:
-                log(kind="skip", **key, reason="deadline")
-                continue
-            try:
-                built = _cudnn(S, H, variant) if impl == "cudnn" else _flex(S, H, variant, impl)
-                if isinstance(built, str):
-                    log(kind="skip", **key, reason=built)
-                    continue
-                f, extra = built
-                args = (q, k, v, *extra)
-                lowered = jax.jit(f if mode == "fwd" else _fwd_bwd(f)).lower(*args)
-            except Exception as e:  # noqa: BLE001  (an unsupported variant is a result too)
-                log(kind="skip", **key, reason=_error(e))
-                continue
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:600]}"
 
-            def compile_(lowered=lowered):
-                t = time.perf_counter()
-                return lowered.compile(), time.perf_counter() - t
 
-            jobs.append((key, args, pool.submit(compile_)))
-    concurrent.futures.wait([job[2] for job in jobs])
-    log(kind="compiled", S=S, functions=len(jobs), wall_s=round(time.perf_counter() - start, 1))
-    family_pairs = {n: unmasked_pairs(VARIANTS[n][0], S, window=WINDOW, docs=DOCS) for n in variants}
-    for key, args, future in jobs:
+def flops(variant: str, S: int, B: int, Hq: int, D: int, pass_: str, window: int) -> tuple[float, int]:
+    """(effective flops of one call, unmasked pairs per (batch, head)) by specs.py's rules."""
+    pairs = unmasked_pairs(FAMILIES[variant], S, window=window, docs=DOCS)
+    fwd = FWD_FLOPS_PER_PAIR_PER_DIM * pairs * D * Hq * B
+    return fwd * (BWD_FACTOR if pass_ == "bwd" else 1.0), pairs
+
+
+def mask_mod(variant: str, S: int, window: int):
+    """The variant's mask_mod, or None for full attention."""
+    if variant == "full":
+        return None
+    if variant == "causal":
+        return flexjax.masks.causal
+    if variant == "sliding_window":
+        return flexjax.masks.sliding_window(window)
+    if variant == "documents":
+        return flexjax.and_masks(flexjax.masks.causal, flexjax.masks.document(document_ids(S, DOCS)))
+    raise ValueError(f"unknown variant {variant!r}; choose from {list(FAMILIES)}")
+
+
+def flex_fn(impl: str, variant: str, S: int, window: int, block: int, options: dict):
+    """(f(q, k, v, *extra), extra): flexjax with the BlockMask passed as an argument (not a constant)."""
+    bm = flexjax.create_block_mask(mask_mod(variant, S, window), None, None, S, S, block_size=block)
+    kw = {"backend": impl, "kernel_options": options or None}
+    return (lambda q, k, v, bm: flexjax.flex_attention(q, k, v, None, bm, **kw)), (bm,)
+
+
+def baseline_fn(impl: str, form: str, variant: str, S: int, window: int):
+    """(f(q, k, v, *extra), extra) of ``jax.nn.dot_product_attention(implementation=impl)``, or a
+    string: why it has no such form.
+
+    ``form``: "native" (its own flags: none, ``is_causal``, ``local_window_size``, documents
+    packed as B*DOCS sequences) or "dense_mask" (the flexjax mask_mod evaluated densely, as a
+    jit argument: a captured dense mask would be a compile-time constant of S*S bytes).
+    """
+
+    def attention(q, k, v, mask=None, **kw):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl, **kw)
+
+    if form == "dense_mask":
+        dense = flexjax.create_mask(mask_mod(variant, S, window), 1, 1, S, S)
+        return (lambda q, k, v, m: attention(q, k, v, m)), (dense,)
+    if variant == "full":
+        return attention, ()
+    if variant == "causal":
+        return (lambda q, k, v: attention(q, k, v, is_causal=True)), ()
+    if variant == "sliding_window":
+        return (lambda q, k, v: attention(q, k, v, is_causal=True, local_window_size=(window, 0))), ()
+    if variant == "documents":
+        if S % DOCS:
+            return f"documents of unequal length (S={S}, {DOCS} documents) need segment ids"
+
+        def packed(q, k, v):
+            split = lambda x: x.reshape(x.shape[0] * DOCS, S // DOCS, *x.shape[2:])
+            return attention(split(q), split(k), split(v), is_causal=True).reshape(q.shape)
+
+        return packed, ()
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def time_calls(fn, args, calls: int, reps: int) -> dict:
+    """Per-call ms of ``calls`` back-to-back calls per synchronisation: median and min over ``reps``.
+
+    One warm-up call first. ``reps`` shrinks (to 1 at least) where the warm-up says the
+    measurement would take over MAX_MEASURE_S.
+    """
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    warm = time.perf_counter() - t
+    reps = max(1, min(reps, int(MAX_MEASURE_S / max(warm * calls, 1e-9))))
+    per_call = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        outs = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        per_call.append((time.perf_counter() - t) / calls)
+        del outs
+    return {"ms": round(1e3 * statistics.median(per_call), 4), "ms_min": round(1e3 * min(per_call), 4),
+            "reps": reps, "calls_per_sync": calls}
+
+
+class Job:
+    """One timed function: its key, how to build it, and (once built) its compiled form."""
+
+    def __init__(self, key: dict, build):
+        self.key, self.build = key, build
+        self.args = self.compiled = self.future = self.reason = None
+        self.compile_s = 0.0
+        self.not_applicable = False  # the baseline has no form of this variant
+
+
+def _lower_and_submit(job: Job, pool, fn, args):
+    lowered = jax.jit(fn).lower(*args)
+
+    def compile_(lowered=lowered):
+        t = time.perf_counter()
+        return lowered.compile(), time.perf_counter() - t
+
+    job.args = args
+    job.future = pool.submit(compile_)
+
+
+def run_jobs(jobs: list[Job], args, log, pool, deadline: float, q, k, v, do):
+    """Lowers every job, compiles them concurrently, then times them in order.
+
+    A forward job builds ``(f, extra)``; its backward twin (``pass`` "bwd") first compiles the
+    residuals of ``jax.vjp`` (first wave), runs them, then compiles ``vjp(dO)`` (second wave).
+    A failure at any stage is that job's result: a "skip" line (for the sweep, "refused"); a job
+    the deadline leaves out is a "skip" with reason "deadline".
+    """
+    failed_kind = "refused" if args.section == "sweep" else "skip"
+    # First wave: forwards and the backwards' residual functions.
+    for job in jobs:
+        if time.perf_counter() > deadline:
+            job.reason = "deadline"
+            continue
         try:
-            compiled, compile_s = future.result()
+            built = job.build()
+            if isinstance(built, str):
+                job.reason, job.not_applicable = built, True
+                continue
+            f, extra = built
+            if job.key["pass"] == "fwd":
+                _lower_and_submit(job, pool, f, (q, k, v, *extra))
+            else:
+                res = lambda q, k, v, *extra, f=f: jax.vjp(lambda q, k, v: f(q, k, v, *extra), q, k, v)[1]
+                _lower_and_submit(job, pool, res, (q, k, v, *extra))
+        except Exception as e:  # noqa: BLE001  (a rejected option or variant is a result too)
+            job.reason = _error(e)
+    concurrent.futures.wait([j.future for j in jobs if j.future is not None])
+    # Second wave: each backward's vjp(dO), on its residuals.
+    bwd = lambda vjp, do: vjp(do)
+    for job in jobs:
+        if job.future is None:
+            continue
+        try:
+            job.compiled, job.compile_s = job.future.result()
+            job.future = None
+            if job.key["pass"] == "fwd":
+                continue
+            residuals, job.compiled = job.compiled, None
+            if time.perf_counter() > deadline:
+                job.reason = "deadline"
+            else:
+                vjp = residuals(*job.args)
+                jax.block_until_ready(vjp)
+                _lower_and_submit(job, pool, bwd, (vjp, do))
         except Exception as e:  # noqa: BLE001
-            log(kind="skip", **key, reason=_error(e))
+            job.reason = _error(e)
+            job.future = None
+    concurrent.futures.wait([j.future for j in jobs if j.future is not None])
+    for job in jobs:
+        if job.future is not None:
+            try:
+                compiled, compile_s = job.future.result()
+                job.compiled, job.compile_s = compiled, job.compile_s + compile_s
+            except Exception as e:  # noqa: BLE001
+                job.reason = _error(e)
+    # Timing, one at a time, in the jobs' order (each baseline before the kernels it is compared with).
+    baselines: dict[tuple, dict] = {}
+    for job in jobs:
+        key = job.key
+        if job.not_applicable:
+            log(kind="n/a", **key, reason=job.reason)
+            continue
+        if job.compiled is None:
+            log(kind="skip" if job.reason == "deadline" else failed_kind, **key, reason=job.reason or "not compiled")
             continue
         if time.perf_counter() > deadline:
             log(kind="skip", **key, reason="deadline")
             continue
-        pairs = family_pairs[key["variant"]]
-        flops = FWD_FLOPS_PER_PAIR_PER_DIM * pairs * D * H * B * (FWD_BWD_FACTOR if key["mode"] != "fwd" else 1.0)
         try:
-            ms, runs = _time(compiled, args)
-        except Exception as e:  # noqa: BLE001  (an OOM at run time is a result too)
-            log(kind="skip", **key, reason=_error(e))
+            measured = time_calls(job.compiled, job.args, args.calls, args.reps)
+        except Exception as e:  # noqa: BLE001  (an out-of-memory at run time is a result too)
+            log(kind=failed_kind, **key, reason=_error(e))
             continue
-        log(kind="time", **key, ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 2), runs=runs,
-            compile_s=round(compile_s, 1), density=round(pairs / S**2, 4))
-
-
-def summary(records) -> dict:
-    """The timings as rows of (S, variant, mode) with ms and TFLOP/s per impl."""
-    rows = {}
-    for r in records:
-        if r["kind"] not in ("time", "skip"):
-            continue
-        row = rows.setdefault((r["S"], r["variant"], r["mode"]),
-                              {"S": r["S"], "variant": r["variant"], "mode": r["mode"], "ms": {}, "tflops": {},
-                               "skipped": {}})
-        if r["kind"] == "time":
-            row["ms"][r["impl"]], row["tflops"][r["impl"]] = r["ms"], r["tflops"]
+        fl, pairs = flops(key["variant"], key["S"], key["B"], key["Hq"], key["D"], key["pass"], args.window)
+        record = {**key, **measured, "tflops": round(fl / (measured["ms"] * 1e-3) / 1e12, 3), "pairs": pairs,
+                  "density": round(pairs / key["S"] ** 2, 5), "compile_s": round(job.compile_s, 1)}
+        where = (key["S"], key["variant"], key["pass"])
+        if key.get("role") == "baseline":
+            baselines.setdefault(where, {})[key["impl"]] = measured["ms"]
         else:
-            row["skipped"][r["impl"]] = r["reason"]
-    for row in rows.values():
-        for impl in ("pallas", "triton"):
-            if "cudnn" in row["ms"] and impl in row["ms"]:
-                row[f"{impl}_vs_cudnn"] = round(row["ms"]["cudnn"] / row["ms"][impl], 3)
-    return {"rows": list(rows.values())}
+            for name, ms in baselines.get(where, {}).items():
+                record[f"vs_{name}"] = round(ms / measured["ms"], 3)
+        log(kind="time", **record)
+        job.compiled = job.args = None  # frees the executable and its residuals before the next measurement
 
 
-def table(rows, impls) -> str:
-    """One line per (S, variant, mode): ms per impl ("-" where skipped) and kernel/cuDNN speed."""
-    lines = ["== ms (lower is better); <impl>_vs_cudnn = cuDNN ms / <impl> ms"]
-    for row in rows:
-        cells = " ".join(f"{i} {row['ms'][i]:9.3f}" if i in row["ms"] else f"{i} {'-':>9}" for i in impls)
-        ratio = "".join(f"  {k} {row[k]:.2f}" for k in ("pallas_vs_cudnn", "triton_vs_cudnn") if k in row)
-        lines.append(f"S={row['S']:<6d} {row['variant']:15s} {row['mode']:8s} {cells}{ratio}")
-    return "\n".join(lines)
+def _inputs(B, S, Hq, Hkv, D, dtype):
+    ks = jax.random.split(jax.random.key(S), 4)
+    shapes = ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, Hq, D))
+    return tuple(jax.random.normal(kk, s, jnp.float32).astype(dtype) for kk, s in zip(ks, shapes))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="JSON lines, one per result")
-    parser.add_argument("--summary", help="also write the results as a table of rows (JSON) at the end")
-    parser.add_argument("--deadline-s", type=float, default=240.0,
-                        help="start no compile or measurement after this many seconds")
-    parser.add_argument("--lengths", default="4096,16384")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--impls", default=",".join(IMPLS))
-    parser.add_argument("--shape", default="4,16,128", help="B,H,D")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="concurrent compiles")
-    args = parser.parse_args()
+def section_jobs(args, S: int) -> list[list[Job]]:
+    """The section's jobs at length S, in groups compiled and timed in turn, most important first
+    (timing: causal, then full; sparsity: the window, then documents; sweep: forward, then
+    backward), so that a step cut short has its first groups' results. In a group, each
+    (variant, pass) has its baselines first."""
+    B, (Hq, Hkv), D = args.batch, args.heads, args.head_dim
+    common = {"section": args.section, "S": S, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "dtype": args.dtype}
+    base_options = {"interpret": True} if args.interpret else {}
+    groups = []
+
+    def flex(impl, variant, options):
+        return lambda: flex_fn(impl, variant, S, args.window, args.block, options)
+
+    def base(form, variant):
+        return lambda: baseline_fn(args.baseline, form, variant, S, args.window)
+
+    if args.section in ("timing", "sparsity"):
+        variants = ("causal", "full") if args.section == "timing" else ("sliding_window", "documents")
+        forms = ("native",) if args.section == "timing" else ("dense_mask", "native")
+        for variant in variants:
+            jobs = []
+            groups.append(jobs)
+            for pass_ in PASSES:
+                for form in forms:
+                    name = args.baseline if args.section == "timing" else f"{args.baseline}_{form}"
+                    jobs.append(Job({**common, "variant": variant, "pass": pass_, "impl": name, "role": "baseline"},
+                                    base(form, variant)))
+                for impl in args.impls:
+                    jobs.append(Job({**common, "variant": variant, "pass": pass_, "impl": impl, "role": "kernel"},
+                                    flex(impl, variant, base_options)))
+        return groups
+    # sweep: triton, causal, the heuristics' choice then each point. "bwd" points set both
+    # backward kernels (bwd_*); "dkv" points the dK/dV kernel alone, where the backend takes
+    # dkv_* options (the dQ kernel keeps its default).
+    takes_dkv = "dkv_block_q" in flexjax.backends.kernel_option_names("triton")
+    heuristics = _heuristics(args)
+    for group, pass_, prefix, points in (("fwd", "fwd", "", args.fwd_points), ("bwd", "bwd", "bwd_", args.bwd_points),
+                                         ("dkv", "bwd", "dkv_", args.dkv_points)):
+        jobs = []
+        groups.append(jobs)
+        key = {**common, "variant": "causal", "pass": pass_, "impl": "triton", "kernels": group}
+        if group == "dkv" and not takes_dkv:
+            jobs += [Job({**key, "point": list(p)}, lambda: "the triton backend takes no dkv_* kernel_options")
+                     for p in points]
+            continue
+        if group != "dkv":
+            jobs.append(Job({**key, "point": "heuristics", "heuristics_sm90": heuristics},
+                            flex("triton", "causal", base_options)))
+        for point in points:
+            options = {prefix + name: value for name, value in zip(("block_q", "block_kv", "num_warps", "num_stages"),
+                                                                   point)}
+            jobs.append(Job({**key, "point": list(point), "kernel_options": options},
+                            flex("triton", "causal", {**base_options, **options})))
+    return groups
+
+
+def _heuristics(args) -> dict | None:
+    """The triton backend's own (block_q, block_kv, num_warps, num_stages) per kernel on sm_90 for
+    the sweep's shape (causal: no captured array), as its heuristics table gives them; None
+    where that cannot be read. Informational: the backend's options change as it is tuned."""
+    try:
+        from flexjax.backends import triton as triton_backend
+
+        shape = (90, (args.block, args.block), args.head_dim, DTYPES[args.dtype])
+        try:
+            o = triton_backend.heuristics(*shape, gathers=False)
+        except TypeError:  # a heuristics without the gathers switch
+            o = triton_backend.heuristics(*shape)
+        fields = {"fwd": "", "dq": "bwd_", "dkv": "dkv_"}
+        return {kernel: [getattr(o, prefix + name) for name in ("block_q", "block_kv", "num_warps", "num_stages")]
+                for kernel, prefix in fields.items() if hasattr(o, prefix + "block_q")}
+    except Exception:  # noqa: BLE001  (informational only)
+        return None
+
+
+def parse_points(text: str, flag: str) -> list[tuple[int, int, int, int]]:
+    """"bq,bkv,warps,stages;..." as tuples of four positive ints.
+
+    Raises:
+      SystemExit: naming the malformed point.
+    """
+    points = []
+    for item in filter(None, text.split(";")):
+        try:
+            point = tuple(int(x) for x in item.split(","))
+        except ValueError:
+            point = ()
+        if len(point) != 4 or min(point) < 1:
+            raise SystemExit(f"{flag} points are 'block_q,block_kv,num_warps,num_stages' separated by ';', "
+                             f"got {item!r}")
+        points.append(point)
+    return points
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--section", required=True, choices=SECTIONS)
+    p.add_argument("--out", required=True, help="JSON lines, one per result (the file is emptied first)")
+    p.add_argument("--deadline-s", type=float, default=240.0,
+                   help="start no compile or measurement after this many seconds")
+    p.add_argument("--deadline-at", type=float, help="nor after this time (seconds since the epoch, as date +%%s)")
+    p.add_argument("--lengths", help="comma-separated S (timing and sweep 8192; sparsity 16384,32768)")
+    p.add_argument("--batch", type=int, help="B (timing and sweep 4; sparsity 1)")
+    p.add_argument("--heads", help="query heads,kv heads (default 16,4)")
+    p.add_argument("--head-dim", type=int, help="D (default 128)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16")
+    p.add_argument("--block", type=int, help="the BlockMask's block (default 128, flexjax's)")
+    p.add_argument("--window", type=int, help="the sliding window's keys back (default 1024)")
+    p.add_argument("--impls", default=",".join(KERNELS), help="flexjax kernel backends (timing, sparsity)")
+    p.add_argument("--baseline", choices=("cudnn", "xla"), help="jax.nn.dot_product_attention's implementation")
+    p.add_argument("--calls", type=int, help="back-to-back calls per synchronisation (default 20)")
+    p.add_argument("--reps", type=int, help="synchronised repetitions, median reported (default 5; sparsity 3)")
+    p.add_argument("--fwd-points", help=f"sweep: 'bq,bkv,warps,stages;...' (default {FWD_POINTS})")
+    p.add_argument("--bwd-points", help=f"sweep: both backward kernels', as --fwd-points (default {BWD_POINTS})")
+    p.add_argument("--dkv-points", help=f"sweep: the dK/dV kernel's alone (default {DKV_POINTS})")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="concurrent compiles")
+    p.add_argument("--interpret", action="store_true", default=None, help="the kernels' interpreters (CPU)")
+    p.add_argument("--rehearsal", action="store_true",
+                   help="tiny float16 shapes, interpreters, XLA for cuDNN (to rehearse gpu_check.sh on CPU)")
+    args = p.parse_args(argv)
+    defaults = {**COMMON, **DEFAULTS[args.section]}
+    if args.rehearsal:
+        defaults.update(REHEARSAL, **REHEARSAL_SECTIONS[args.section])
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.interpret = bool(args.interpret)
+    try:
+        args.heads = tuple(int(x) for x in str(args.heads).split(","))
+        args.lengths = [int(x) for x in str(args.lengths).split(",")]
+    except ValueError:
+        p.error(f"--heads and --lengths take comma-separated ints, got {args.heads!r}, {args.lengths!r}")
+    if len(args.heads) != 2 or args.heads[1] < 1 or args.heads[0] % args.heads[1]:
+        p.error(f"--heads must be two positive ints, the first a multiple of the second, got {args.heads}")
+    for name in ("batch", "head_dim", "block", "window", "calls", "reps", "workers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.impls = args.impls.split(",")
+    if set(args.impls) - set(KERNELS):
+        p.error(f"unknown --impls {sorted(set(args.impls) - set(KERNELS))}; choose from {list(KERNELS)}")
+    args.fwd_points = parse_points(args.fwd_points, "--fwd-points")
+    args.bwd_points = parse_points(args.bwd_points, "--bwd-points")
+    args.dkv_points = parse_points(args.dkv_points, "--dkv-points")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.interpret and jax.default_backend() != "gpu":
+        print(f"no GPU visible to JAX (backend {jax.default_backend()!r}); pass --rehearsal to run on CPU")
+        return 2
     start = time.perf_counter()
     deadline = start + args.deadline_s
-    shape = tuple(int(x) for x in args.shape.split(","))
-    variants, impls = args.variants.split(","), args.impls.split(",")
-    for name, given, known in (("variants", variants, VARIANTS), ("impls", impls, IMPLS)):
-        if set(given) - set(known):
-            parser.error(f"unknown --{name} {sorted(set(given) - set(known))}; choose from {list(known)}")
-    log = _Log(args.out)
-    B, H, D = shape
-    log(kind="env", device=str(jax.devices()[0]), jax=jax.__version__, B=B, H=H, D=D, dtype="bfloat16",
-        deadline_s=args.deadline_s)
-    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-        for S in (int(x) for x in args.lengths.split(",")):
-            if deadline - time.perf_counter() < MIN_LENGTH_S:
-                log(kind="skip_length", S=S, reason=f"deadline: under {MIN_LENGTH_S} s left for this length")
-                continue
-            _length(S, shape, variants, impls, log, pool, deadline)
+    if args.deadline_at is not None:  # the caller's clock: JAX's import (seconds on a GPU machine) counts too
+        deadline = min(deadline, start + args.deadline_at - time.time())
+    log = Log(args.out)
+    baseline = args.baseline if args.baseline == "cudnn" else (
+        f"{args.baseline} (jax.nn.dot_product_attention(implementation={args.baseline!r}), a CPU rehearsal's "
+        "stand-in for cuDNN)")
+    log(kind="env", section=args.section, device=str(jax.devices()[0]), jax=jax.__version__, dtype=args.dtype,
+        B=args.batch, Hq=args.heads[0], Hkv=args.heads[1], D=args.head_dim, lengths=args.lengths, block=args.block,
+        window=args.window, docs=DOCS, baseline=baseline, calls_per_sync=args.calls, reps=args.reps,
+        flops=FLOP_CONVENTION, deadline_s=args.deadline_s, interpret=args.interpret)
+    dtype = DTYPES[args.dtype]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            for S in args.lengths:
+                q, k, v, do = _inputs(args.batch, S, *args.heads, args.head_dim, dtype)
+                for group in section_jobs(args, S):
+                    run_jobs(group, args, log, pool, deadline, q, k, v, do)
+                del q, k, v, do
+    except Exception as e:  # noqa: BLE001  (what was measured is already written; say why the rest is not)
+        log(kind="error", reason=_error(e), traceback=traceback.format_exc()[-4000:])
+        return 1
     log(kind="done", wall_s=round(time.perf_counter() - start, 1))
-    rows = summary(log.records)
-    print(table(rows["rows"], impls), flush=True)
-    if args.summary:
-        with open(args.summary, "w") as fh:
-            json.dump(rows | {"device": str(jax.devices()[0]), "jax": jax.__version__, "B": B, "H": H, "D": D,
-                              "dtype": "bfloat16"}, fh, indent=1)
+    cut = any(r.get("reason") == "deadline" for r in log.records)
+    # Kernel or baseline measurements that did not happen make the step fail; a sweep point
+    # Triton or the backend rejects is a result of the sweep, not a failure.
+    missing = [r for r in log.records if r["kind"] == "skip"]
+    # The sweep's reference points (the heuristics' own tiles) must be timed.
+    unswept = [r for r in log.records if r["kind"] == "refused" and r.get("point") == "heuristics"]
+    return 1 if cut or missing or unswept else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

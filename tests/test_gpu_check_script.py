@@ -1,12 +1,14 @@
 """benchmarks/gpu_check.sh on this CPU machine: the paths it takes before (and without) a GPU.
 
 The GPU machine has python3 and no .venv, so the script must find python3 there; with no
-GPU it must say so in one line and exit 2. A rehearsal of the whole script on CPU (Pallas'
-interpreter, a tiny benchmark) is marked slow.
+GPU it must say so in one line and exit 2. The summary's verdict on each goal is checked on
+synthetic timing lines; a rehearsal of the whole script on CPU (Pallas' interpreter, tiny
+timings against XLA) is marked slow.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -95,7 +97,7 @@ def test_without_any_python_it_says_so(tmp_path):
 
 
 def test_a_cut_step_is_reported_and_fails_the_run(tmp_path):
-    """Tests cut by their timeout: rc 124 in steps.jsonl, exit 1, the benchmark skipped for lack of budget."""
+    """Tests cut by their timeout: rc 124 in steps.jsonl, exit 1, the timing steps skipped for lack of budget."""
     script = _tree_without_venv(tmp_path)
     (script.parent / "gpu_tests.py").write_text("import time\ntime.sleep(60)\n")
     bin_dir, _ = _python3_on_path(tmp_path)
@@ -105,26 +107,73 @@ def test_a_cut_step_is_reported_and_fails_the_run(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     steps = {(s["step"], s["event"]): s["rc"] for s in _steps(tmp_path / "out")}
     assert steps[("tests", "end")] == 124
-    assert ("bench", "skipped") in steps and ("bench", "start") not in steps
+    for section in ("timing", "sparsity", "sweep"):
+        assert (section, "skipped") in steps and (section, "start") not in steps
     assert "gpu_check: tests 0/0 passed, rc 124" in r.stdout
+
+
+def _summary(tmp_path, timing=(), sparsity=(), window=1024):
+    """benchmarks/gpu_summary.py's goals over synthetic timing lines: {goal's first word: (status, goal)}."""
+    spec = importlib.util.spec_from_file_location("gpu_summary", ROOT / "benchmarks" / "gpu_summary.py")
+    gpu_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_summary)
+
+    def lines(section, records):
+        env = {"kind": "env", "section": section, "window": window, "device": "cuda:0"}
+        return "".join(json.dumps(r) + "\n" for r in (env, *records))
+
+    (tmp_path / "timing.jsonl").write_text(lines("timing", timing))
+    (tmp_path / "sparsity.jsonl").write_text(lines("sparsity", sparsity))
+    summary = gpu_summary.summarize(str(tmp_path))
+    assert json.loads(json.dumps(summary)) == summary  # what summary.json holds
+    return [(g["status"], g) for g in summary["goals"]]
+
+
+def _time(section, variant, pass_, impl, S=8192, dtype="bfloat16", **ratios):
+    return {"kind": "time", "section": section, "variant": variant, "pass": pass_, "impl": impl, "role": "kernel",
+            "S": S, "D": 128, "dtype": dtype, "ms": 1.0, "tflops": 1.0, **ratios}
+
+
+def test_summary_states_each_goal_measured_met_or_not(tmp_path):
+    """A goal is met by the better kernel; the window's needs both passes; other shapes are stand-ins only."""
+    timing = [_time("timing", "causal", "fwd", "triton", vs_cudnn=0.85), _time("timing", "causal", "fwd", "pallas",
+                                                                                 vs_cudnn=0.5),
+              _time("timing", "causal", "bwd", "triton", vs_cudnn=0.6)]
+    sparsity = [_time("sparsity", "sliding_window", "fwd", "triton", S=32768, vs_cudnn_dense_mask=9.0)]
+    (fwd, fwd_goal), (bwd, _), (window, window_goal) = _summary(tmp_path, timing, sparsity)
+    assert (fwd, fwd_goal["best"], fwd_goal["ratios"]) == ("met", "triton",
+                                                          {"triton": {"fwd": 0.85}, "pallas": {"fwd": 0.5}})
+    assert bwd == "not met"
+    assert window == "not measured" and "not in all" in window_goal["note"]  # the backward is missing
+    sparsity.append(_time("sparsity", "sliding_window", "bwd", "triton", S=32768, vs_cudnn_dense_mask=4.0))
+    assert _summary(tmp_path, timing, sparsity)[2][0] == "not met"
+    assert _summary(tmp_path, timing, sparsity, window=512)[2][0] == "not measured"  # another window
+
+
+def test_summary_of_a_rehearsal_measures_no_goal(tmp_path):
+    """Ratios against XLA (the CPU rehearsal's stand-in for cuDNN) at tiny shapes are listed, never judged."""
+    timing = [_time("timing", "causal", "fwd", "triton", S=128, dtype="float32", vs_xla=3.0)]
+    (fwd, goal), (bwd, _), (window, _) = _summary(tmp_path, timing)
+    assert (fwd, bwd, window) == ("not measured",) * 3
+    assert goal["stand_in"] == {"triton": {"fwd S=128 float32 vs_xla": 3.0}}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VENV_PYTHON.exists(), reason="needs the project's .venv")
 def test_rehearsal_on_cpu(tmp_path):
-    """The whole script on CPU: two test shards in the interpreter (pallas: the .venv has no
-    triton, whose absence the runner reports as a failure, as it must on the GPU machine), a
-    tiny benchmark (~40 s)."""
+    """The whole script on CPU (`make gpu-check-rehearsal` without build/venv-compile): the
+    cases in Pallas' interpreter, every timing step at tiny shapes against XLA (~2 minutes)."""
     env = _env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"), FLEXJAX_GPU_CHECK_ALLOW_CPU="1",
-               FLEXJAX_GPU_TEST_SHARDS="2",
-               FLEXJAX_GPU_TEST_ARGS="--interpret --cases full,causal --backends pallas",
-               FLEXJAX_GPU_BENCH_ARGS="--lengths 128 --shape 1,1,16 --impls xla,cudnn --variants causal,documents")
+               FLEXJAX_GPU_BACKENDS="pallas", FLEXJAX_GPU_TEST_ARGS="--cases causal,dropout")
     out = tmp_path / "out"
-    r = _run(SCRIPT, out, env, timeout=300)
+    r = _run(SCRIPT, out, env, timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     tests = [json.loads(line) for line in (out / "gpu_tests.jsonl").read_text().splitlines()]
-    assert sorted(t["case"] for t in tests if t["kind"] == "test" and t["outcome"] == "passed") == ["causal", "full"]
-    bench = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
-    assert sum(b["kind"] == "time" for b in bench) == 4  # xla: 2 variants x fwd, fwd+bwd
-    assert {b["impl"] for b in bench if b["kind"] == "skip"} == {"cudnn"}  # no cuDNN on CPU
-    assert len(json.loads((out / "bench.json").read_text())["rows"]) == 4
+    assert sorted(t["case"] for t in tests if t["kind"] == "test" and t["outcome"] == "passed") == [
+        "causal", "causal", "dropout", "dropout"]  # two shapes each
+    timing = [json.loads(line) for line in (out / "timing.jsonl").read_text().splitlines()]
+    assert sum(t["kind"] == "time" for t in timing) == 8  # (causal, full) x (fwd, bwd) x (xla, pallas)
+    assert all("vs_xla" in t for t in timing if t["kind"] == "time" and t["impl"] == "pallas")
+    summary = json.loads((out / "summary.json").read_text())
+    assert [g["status"] for g in summary["goals"]] == ["not measured"] * 3
+    assert (("sweep", "skipped") in {(s["step"], s["event"]) for s in _steps(out)})  # triton left out

@@ -58,7 +58,8 @@ def test_catalog_tpu_template_all(name):
 def test_catalog_on_gpu(name):
     """The compiled Triton kernels (no interpreter) against the reference, bfloat16.
 
-    benchmarks/gpu_tests.py runs the same check without pytest, for gpu_check.sh.
+    The whole catalog at small shapes; benchmarks/gpu_tests.py (gpu_check.sh, no pytest) checks
+    the production shapes it times (bfloat16, D=128, GQA 16/4, S up to 8192) on fewer cases.
     """
     _check(name, dtype=jnp.bfloat16, kernel_options={"target": "cuda"})
 
