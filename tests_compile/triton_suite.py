@@ -50,6 +50,7 @@ from compile_suite import (  # noqa: E402
     HEADS,
     SPILL_BUDGET,
 )
+from ptx_shape import hopper_exempt, hopper_shape, instruction_mix  # noqa: E402
 
 ARCHS = (90, 80)
 # Shared memory a block may opt into: H100 (sm_90) 227 KiB, A100 (sm_80) 163 KiB.
@@ -100,82 +101,6 @@ def _ptx_resources(path: str, arch: int, ptxas: str):
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)
     return (int(regs.group(1)) if regs else 0, int(spill.group(1)) if spill else 0,
             int(spill.group(2)) if spill else 0)
-
-
-# The PTX instruction mix of a kernel: tensor-core instructions and how deep its cp.async
-# copies are waited for. A pipelined loop waits with ``cp.async.wait_group N`` for N >= 1
-# (N copies stay in flight); a loop that only waits with 0 double-buffers at best.
-_WGMMA = re.compile(r"^\s*wgmma\.mma_async", re.M)
-_MMA_SYNC = re.compile(r"^\s*mma\.sync", re.M)
-_WAIT = re.compile(r"^\s*cp\.async\.wait_group\s+(\d+)", re.M)
-_BULK_WAIT = re.compile(r"^\s*cp\.async\.bulk\.wait_group(?:\.read)?\s+(\d+)", re.M)
-_TMA = re.compile(r"^\s*cp\.async\.bulk\.tensor", re.M)
-
-
-_LABEL = re.compile(r"^(\$L__\w+):", re.M)
-_BRANCH = re.compile(r"^\s*(?:@%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);", re.M)
-
-
-def _loops(ptx: str) -> list[tuple[int, int]]:
-    """(start, end) offsets of the loops of a PTX function: a branch back to an earlier label."""
-    labels = {m.group(1): m.start() for m in _LABEL.finditer(ptx)}
-    return [(labels[m.group(1)], m.end()) for m in _BRANCH.finditer(ptx)
-            if m.group(1) in labels and labels[m.group(1)] < m.start()]
-
-
-def instruction_mix(ptx: str) -> dict:
-    """Counts of ``wgmma.mma_async``, ``mma.sync`` and TMA copies; the distinct
-    ``cp.async.wait_group`` depths; and ``loop_waits``: for each loop that issues cp.async
-    copies (outside the loops nested in it, none of which copies), the deepest wait there
-    (0: the loop waits for every copy it issued; -1: none)."""
-    waits = [(m.start(), int(m.group(1))) for m in _WAIT.finditer(ptx)]
-    commits = [m.start() for m in re.finditer(r"^\s*cp\.async\.commit_group", ptx, re.M)]
-    loops = sorted(set(_loops(ptx)))
-
-    def own(a, b, at):  # inside loop (a, b) and not inside a loop nested in it
-        return a <= at <= b and not any((c, d) != (a, b) and a <= c and d <= b and c <= at <= d for c, d in loops)
-
-    def nested(a, b):
-        return [(c, d) for c, d in loops if (c, d) != (a, b) and a <= c and d <= b]
-
-    # A loop that only starts and drains the copies of the loops nested in it (the dK/dV
-    # kernel's loop over a group's query heads) is not one of them.
-    loop_waits = [max((n for at, n in waits if own(a, b, at)), default=-1) for a, b in loops
-                  if any(own(a, b, at) for at in commits)
-                  and not any(c <= at <= d for c, d in nested(a, b) for at in commits)]
-    return {"wgmma": len(_WGMMA.findall(ptx)), "mma_sync": len(_MMA_SYNC.findall(ptx)),
-            "tma": len(_TMA.findall(ptx)),
-            "waits": sorted({n for _, n in waits} | {int(n) for n in _BULK_WAIT.findall(ptx)}),
-            "loop_waits": loop_waits}
-
-
-def hopper_shape(kind: str, mix: dict) -> list[str]:
-    """What keeps a 16-bit sm_90 kernel's PTX from being Hopper-shaped: no ``wgmma.mma_async``,
-    any ``mma.sync``, or a loop whose copies are only ever waited for with depth 0 (no
-    prefetch in flight).
-
-    The one exception to the last: a dQ kernel that reduces the gradient of a captured
-    array read by a gather (``scatter``: its deterministic one-hot reduction is a loop over
-    the chunks of each tile's indices, nested in the kv loop, and Triton's software
-    pipeliner pipelines innermost loops only). It still must use wgmma and no mma.sync.
-    """
-    fails = []
-    if not mix["wgmma"]:
-        fails.append(f"{kind}: no wgmma.mma_async")
-    if mix["mma_sync"]:
-        fails.append(f"{kind}: {mix['mma_sync']} mma.sync")
-    if not mix["tma"] and not mix.get("scatter") and (not mix["loop_waits"] or min(mix["loop_waits"]) < 1):
-        fails.append(f"{kind}: a loop waits for all its copies (deepest cp.async.wait_group per copying loop: "
-                     f"{mix['loop_waits'] or 'no copying loop'})")
-    return fails
-
-
-def hopper_exempt(row) -> bool:
-    """The one row exempt from the Hopper shape: head dim 256 with a table-gather mod whose
-    gradient the dQ kernel reduces. There every warpgroup tile of dQ tried spilled (1.4 KB
-    and more) and dK/dV spilled at 3 stages, so the tile table keeps the spill-free tiles
-    (``flexjax/backends/_tile_tables.py``, TRITON_SM90[(2, 256)])."""
-    return row["head_dim"] == 256 and bool(row["kernels"].get("dq", {}).get("scatter"))
 
 
 def _kernel_kind(name: str) -> str:

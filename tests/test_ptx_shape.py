@@ -1,0 +1,76 @@
+"""The compile suite's Hopper-shape check (tests_compile/ptx_shape.py) on PTX fragments.
+
+The fragments follow what Triton 3.6 emits for sm_90: labels ``$L__BB0_n:``, loops closed by
+a branch back to an earlier label, ``cp.async`` copies committed in groups and waited for
+with ``cp.async.wait_group N``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_compile"))
+
+from ptx_shape import hopper_exempt, hopper_shape, instruction_mix  # noqa: E402
+
+
+def _loop(label: str, body: str) -> str:
+    return f"$L__BB0_{label}:\n{body}\n\t@%p1 bra $L__BB0_{label};\n"
+
+
+COPY = "\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 16;\n\tcp.async.commit_group;"
+WGMMA = "\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd2, %rd3, 1, 1, 1, 0, 1;"
+MMA = "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};"
+
+
+def _wait(n: int) -> str:
+    return f"\tcp.async.wait_group {n};"
+
+
+def test_a_pipelined_loop_is_hopper_shaped():
+    ptx = COPY + "\n" + _loop("1", "\n".join([_wait(1), WGMMA, COPY])) + _wait(0)
+    mix = instruction_mix(ptx)
+    assert mix["wgmma"] == 1 and mix["mma_sync"] == 0 and mix["waits"] == [0, 1] and mix["loop_waits"] == [1]
+    assert hopper_shape("fwd", mix) == []
+
+
+def test_a_loop_that_waits_for_every_copy_fails():
+    ptx = _loop("1", "\n".join([COPY, _wait(0), WGMMA])) + _loop("2", "\n".join([COPY, _wait(2), WGMMA]))
+    mix = instruction_mix(ptx)
+    assert mix["loop_waits"] == [0, 2]
+    (fail,) = hopper_shape("fwd", mix)
+    assert "waits for all its copies" in fail and "[0, 2]" in fail
+
+
+def test_mma_sync_and_missing_wgmma_fail():
+    mix = instruction_mix(_loop("1", "\n".join([COPY, _wait(1), MMA])))
+    fails = hopper_shape("dq", mix)
+    assert any("no wgmma" in f for f in fails) and any("1 mma.sync" in f for f in fails)
+
+
+def test_a_loop_that_only_starts_and_drains_nested_loops_is_not_judged():
+    # The dK/dV kernel's loop over a group's heads: prologue copies, an inner pipelined loop,
+    # the drain (wait 0) after it; only the inner loop is a copying loop.
+    inner = _loop("2", "\n".join([_wait(2), WGMMA, COPY]))
+    outer = _loop("1", "\n".join([COPY, inner, _wait(0)]))
+    mix = instruction_mix(outer)
+    assert mix["loop_waits"] == [2]
+    assert hopper_shape("dkv", mix) == []
+
+
+def test_a_loop_without_copies_fails_unless_it_reduces_a_gathered_gradient():
+    # Plain loads only (not pipelined): a loop nested in it (the one-hot reduction) has no copies.
+    reduction = _loop("3", "\tadd.f32 %f1, %f1, %f2;")
+    ptx = _loop("1", "\n".join(["\tld.global.b32 %r1, [%rd1];", WGMMA, reduction]))
+    mix = instruction_mix(ptx)
+    assert mix["loop_waits"] == []
+    assert any("no copying loop" in f for f in hopper_shape("dq", mix))
+    assert hopper_shape("dq", {**mix, "scatter": True}) == []
+
+
+def test_the_one_exemption():
+    scatter = {"kernels": {"dq": {"scatter": True}}}
+    assert hopper_exempt({"head_dim": 256, **scatter})
+    assert not hopper_exempt({"head_dim": 128, **scatter})
+    assert not hopper_exempt({"head_dim": 256, "kernels": {"dq": {"scatter": False}}})
