@@ -13,7 +13,11 @@ full tile lists with an online softmax (the semantics of ``pallas._tile``). Back
 (FlashAttention-2, https://arxiv.org/abs/2307.08691): a dQ kernel over the same lists,
 which also reduces the score_mod's row and array-read gradients; a dK/dV kernel per (kv
 tile, batch x kv head) over the transposed lists and the G query heads of its group (K/V
-are never copied per query head), which also reduces the column gradients. With dropout
+are never copied per query head), which also reduces the column gradients. The dK/dV
+kernel's tiles are kv-major (``K Q^T``, [TK, TQ]), so P^T and dS^T are the left operands
+of its two products as computed (a warpgroup MMA on sm_90 takes them from registers; a
+``tl.trans`` of a register tile would not). Every list walk reads the next entry one step
+ahead (``_walk``), so Triton's pipeliner keeps copies in flight. With dropout
 (``Plan.dropout``) each kernel hashes its tiles' keep mask from ``SEED`` (``flexjax_fmix``,
 the hash of ``flexjax._dropout``): row hashes per q tile, column hashes per kv tile.
 """
