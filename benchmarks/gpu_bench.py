@@ -383,14 +383,10 @@ def _heuristics(args) -> dict | None:
     try:
         from flexjax.backends import triton as triton_backend
 
-        shape = (90, (args.block, args.block), args.head_dim, DTYPES[args.dtype])
-        try:
-            o = triton_backend.heuristics(*shape, gathers=False)
-        except TypeError:  # a heuristics without the gathers switch
-            o = triton_backend.heuristics(*shape)
+        o = triton_backend.heuristics(90, (args.block, args.block), args.head_dim, DTYPES[args.dtype], gathers=False)
         fields = {"fwd": "", "dq": "bwd_", "dkv": "dkv_"}
         return {kernel: [getattr(o, prefix + name) for name in ("block_q", "block_kv", "num_warps", "num_stages")]
-                for kernel, prefix in fields.items() if hasattr(o, prefix + "block_q")}
+                for kernel, prefix in fields.items()}
     except Exception:  # noqa: BLE001  (informational only)
         return None
 
