@@ -71,6 +71,7 @@ def test_a_loop_without_copies_fails_unless_it_reduces_a_gathered_gradient():
 
 def test_the_one_exemption():
     scatter = {"kernels": {"dq": {"scatter": True}}}
-    assert hopper_exempt({"head_dim": 256, **scatter})
-    assert not hopper_exempt({"head_dim": 128, **scatter})
-    assert not hopper_exempt({"head_dim": 256, "kernels": {"dq": {"scatter": False}}})
+    assert hopper_exempt({"head_dim": 256, **scatter}, "dq") and hopper_exempt({"head_dim": 256, **scatter}, "dkv")
+    assert not hopper_exempt({"head_dim": 256, **scatter}, "fwd")
+    assert not hopper_exempt({"head_dim": 128, **scatter}, "dq")
+    assert not hopper_exempt({"head_dim": 256, "kernels": {"dq": {"scatter": False}}}, "dq")

@@ -76,9 +76,11 @@ def hopper_shape(kind: str, mix: dict) -> list[str]:
     return fails
 
 
-def hopper_exempt(row) -> bool:
-    """The one row exempt from the Hopper shape: head dim 256 with a table-gather mod whose
-    gradient the dQ kernel reduces. There every warpgroup tile of dQ tried spilled (1.4 KB
-    and more) and dK/dV spilled at 3 stages, so the tile table keeps the spill-free tiles
-    (``flexjax/backends/_tile_tables.py``, TRITON_SM90[(2, 256)])."""
-    return row["head_dim"] == 256 and bool(row["kernels"].get("dq", {}).get("scatter"))
+def hopper_exempt(row, kind: str) -> bool:
+    """The one exemption from the Hopper shape: the backward kernels (``kind`` "dq" or "dkv")
+    at head dim 256 with a table-gather mod whose gradient the dQ kernel reduces. There every
+    warpgroup tile of dQ tried spilled (1.4 KB and more) and dK/dV spilled at 3 stages, so the
+    tile table keeps the spill-free tiles (``flexjax/backends/_tile_tables.py``,
+    TRITON_SM90[(2, 256)]); the forward is checked as every other."""
+    return (kind in ("dq", "dkv") and row["head_dim"] == 256
+            and bool(row["kernels"].get("dq", {}).get("scatter")))

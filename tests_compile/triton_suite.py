@@ -188,7 +188,7 @@ def check(row) -> list[str]:
             fails.append(f"{kind}: shared memory {r['smem']} B > {SMEM_LIMIT[row['arch']]} B")
         if r["spill_st"] + r["spill_ld"] > SPILL_BUDGET[row["dtype"]]:
             fails.append(f"{kind}: spills {r['spill_st']}+{r['spill_ld']} B > budget {SPILL_BUDGET[row['dtype']]} B")
-        if row["arch"] == 90 and row["dtype"] != "float32" and "wgmma" in r and not hopper_exempt(row):
+        if row["arch"] == 90 and row["dtype"] != "float32" and "wgmma" in r and not hopper_exempt(row, kind):
             fails += hopper_shape(kind, r)
     return fails
 
