@@ -131,6 +131,26 @@ def test_dkv_options_follow_bwd_options():
         flexjax.flex_attention(q, k, v, block_mask=bm, backend="triton", kernel_options={"dkv_num_warps": 0})
 
 
+def test_table_gather_mods_take_the_gather_row():
+    """A mod that reads a captured table inside the kernels takes TRITON_SM90's rows; one that
+    reads none (causal + ALiBi's per-head slope is hoisted) the larger no-gather tiles."""
+    from flexjax import _api
+
+    q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    bm = flexjax.create_block_mask(flexjax.masks.causal, None, None, 256, 256)
+    table = jnp.zeros((4, 511), jnp.float32)
+
+    def tiles(score_mod):
+        call = _api._prepare(q, q, q, score_mod, bm, None, {"target": "cuda", "compute_capability": 90}, "triton",
+                             0.0)
+        o = triton_backend._resolve(call.spec, 128, jnp.bfloat16)
+        return o.bwd_block_q, o.bwd_block_kv, o.dkv_block_q, o.dkv_block_kv
+
+    assert tiles(None) == (128, 64, 32, 128)
+    assert tiles(flexjax.mods.alibi(4)) == (128, 64, 32, 128)
+    assert tiles(flexjax.mods.relative_bias(table)) == (64, 16, 16, 64)
+
+
 @pytest.mark.parametrize("block_size,options", [
     ((48, 80), None),  # the BlockMask's own blocks, walked in 16-row power-of-two tiles
     ((64, 64), {"block_q": 192, "block_kv": 128, "bwd_block_q": 192, "bwd_block_kv": 64}),  # a 192 tile
