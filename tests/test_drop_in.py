@@ -162,3 +162,12 @@ def test_bad_arguments_name_themselves():
         call(q[0], k, v)
     with pytest.raises(TypeError, match="is_causal"):
         call(q, k, v, is_causal="yes")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", ["everything", "bias_per_head"])
+def test_matches_jax_nn_on_triton_interpreted(case):
+    """Under Triton's interpreter (make test-compile's venv: triton and torch)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    _compare(case, "triton")
