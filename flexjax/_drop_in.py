@@ -75,40 +75,15 @@ def _lengths(x, name: str, batch: int):
     return x
 
 
-def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
-                          mask: jax.Array | None = None, *, scale: float | None = None, is_causal: bool = False,
-                          query_seq_lengths: jax.Array | None = None, key_value_seq_lengths: jax.Array | None = None,
-                          local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
-                          return_residual: bool = False) -> Any:
-    """``jax.nn.dot_product_attention``, computed by ``flexjax.flex_attention``.
+def as_flex(query, key, value, bias=None, mask=None, *, is_causal=False, query_seq_lengths=None,
+            key_value_seq_lengths=None, local_window_size=None):
+    """jax.nn.dot_product_attention's arguments as ``flex_attention``'s.
 
-    Args:
-      query: (batch, q_len, num_heads, head_dim), or without the batch axis (3-D).
-      key, value: (batch, kv_len, num_kv_heads, head_dim); ``num_heads`` a multiple of
-        ``num_kv_heads`` (GQA). Same rank and dtype as ``query``.
-      bias: added to the scaled logits; broadcasts to (batch, num_heads, q_len, kv_len)
-        (rank below 4: leading axes of size 1). Differentiable.
-      mask: boolean, True = attend; broadcasts like ``bias``.
-      scale: factor on q·k; default ``1/sqrt(head_dim)``.
-      is_causal: ``q_idx >= kv_idx`` (top-left aligned, as jax.nn).
-      query_seq_lengths, key_value_seq_lengths: int32 (batch,): queries / keys at or past
-        the length are padding.
-      local_window_size: ``(left, right)`` or ``w`` for ``(w, w)``: ``q_idx - left <= kv_idx
-        <= q_idx + right``.
-      implementation: a flexjax backend ("xla", "pallas", "triton", "reference"), or None
-        to let flexjax pick for the platform.
-      return_residual: also return the log-sum-exp, (batch, q_len, num_heads) in the key's
-        dtype, without gradient (jax.nn's residual).
-
-    Returns:
-      The output, shaped like ``query`` (with ``value``'s head dim), or ``(output, residual)``.
-
-    Raises:
-      ValueError / TypeError: an argument of the wrong shape, dtype or value, naming it.
+    Returns ``(q, k, v, score_mod, block_mask, unbatched)``: 4-D q / k / v, the score_mod
+    reading ``bias`` (or None), the BlockMask of every mask argument (or None), and whether
+    the inputs were 3-D (the caller drops the batch axis again). Shared by
+    ``dot_product_attention`` and ``flexjax.flax``.
     """
-    if implementation is not None and implementation not in available_backends():
-        raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, got "
-                         f"{implementation!r} (jax.nn's 'cudnn' is jax.nn.dot_product_attention's own)")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     ranks = {jnp.ndim(x) for x in (query, key, value)}
@@ -165,6 +140,46 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, bi
         per_batch = mask_b or q_len is not None or kv_len is not None
         block_mask = create_block_mask(mask_mod, B if per_batch else None, N if mask_h else None, T, S)
 
+    return q, k, v, score_mod, block_mask, unbatched
+
+
+def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+                          mask: jax.Array | None = None, *, scale: float | None = None, is_causal: bool = False,
+                          query_seq_lengths: jax.Array | None = None, key_value_seq_lengths: jax.Array | None = None,
+                          local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
+                          return_residual: bool = False) -> Any:
+    """``jax.nn.dot_product_attention``, computed by ``flexjax.flex_attention``.
+
+    Args:
+      query: (batch, q_len, num_heads, head_dim), or without the batch axis (3-D).
+      key, value: (batch, kv_len, num_kv_heads, head_dim); ``num_heads`` a multiple of
+        ``num_kv_heads`` (GQA). Same rank and dtype as ``query``.
+      bias: added to the scaled logits; broadcasts to (batch, num_heads, q_len, kv_len)
+        (rank below 4: leading axes of size 1). Differentiable.
+      mask: boolean, True = attend; broadcasts like ``bias``.
+      scale: factor on q·k; default ``1/sqrt(head_dim)``.
+      is_causal: ``q_idx >= kv_idx`` (top-left aligned, as jax.nn).
+      query_seq_lengths, key_value_seq_lengths: int32 (batch,): queries / keys at or past
+        the length are padding.
+      local_window_size: ``(left, right)`` or ``w`` for ``(w, w)``: ``q_idx - left <= kv_idx
+        <= q_idx + right``.
+      implementation: a flexjax backend ("xla", "pallas", "triton", "reference"), or None
+        to let flexjax pick for the platform.
+      return_residual: also return the log-sum-exp, (batch, q_len, num_heads) in the key's
+        dtype, without gradient (jax.nn's residual).
+
+    Returns:
+      The output, shaped like ``query`` (with ``value``'s head dim), or ``(output, residual)``.
+
+    Raises:
+      ValueError / TypeError: an argument of the wrong shape, dtype or value, naming it.
+    """
+    if implementation is not None and implementation not in available_backends():
+        raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, got "
+                         f"{implementation!r} (jax.nn's 'cudnn' is jax.nn.dot_product_attention's own)")
+    q, k, v, score_mod, block_mask, unbatched = as_flex(
+        query, key, value, bias, mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size)
     out = flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_residual,
                          backend=implementation)
     if return_residual:

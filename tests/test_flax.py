@@ -1,0 +1,94 @@
+"""flexjax.flax.attention_fn in Flax's attention modules (issue 33, item 2: the attention_fn part).
+
+The same module with flax's own attention function and with flexjax's, from the same
+parameters: equal outputs and parameter gradients (no dropout), under ``nnx.jit`` and
+``nnx.grad``, and in linen; with dropout, flexjax's keep mask is its own, so only its
+statistics are checked (train vs eval differ, eval is deterministic).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import linen, nnx  # noqa: E402
+
+import flexjax.flax  # noqa: E402
+
+B, T, F, N = 2, 24, 32, 4
+
+
+def _x():
+    return jax.random.normal(jax.random.PRNGKey(1), (B, T, F))
+
+
+def _nnx_pair(**kw):
+    mods = [nnx.MultiHeadAttention(num_heads=N, in_features=F, decode=False, rngs=nnx.Rngs(0), **kw)
+            for _ in range(2)]
+    mods[1].attention_fn = flexjax.flax.make_attention_fn("xla")
+    return mods
+
+
+def test_nnx_outputs_and_grads_match_flax():
+    ref, ours = _nnx_pair()
+    x = _x()
+    mask = nnx.make_causal_mask(jnp.ones((B, T)))
+
+    @nnx.jit
+    def loss_grad(m, x):
+        return nnx.grad(lambda m: jnp.sum(m(x, mask=mask) ** 2))(m)
+
+    np.testing.assert_allclose(ours(x, mask=mask), ref(x, mask=mask), atol=2e-5)
+    g_ours, g_ref = loss_grad(ours, x), loss_grad(ref, x)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_ours)), jax.tree.leaves(nnx.state(g_ref))):
+        np.testing.assert_allclose(a, b, atol=2e-4 * max(1.0, float(jnp.max(jnp.abs(b)))))
+
+
+def test_nnx_is_causal_and_padding_mask():
+    ref, ours = _nnx_pair()
+    x = _x()
+    pad = jnp.arange(T)[None, :] < jnp.array([T, 17])[:, None]
+    mask = nnx.make_attention_mask(pad, pad)  # (B, 1, T, T), float as flax makes it
+    got = ours(x, mask=mask, is_causal=True)
+    want = ref(x, mask=nnx.combine_masks(mask, nnx.make_causal_mask(jnp.ones((B, T)))))
+    # Rows with a key (padded queries have none in the padding mask: flexjax gives 0 there).
+    rows = np.asarray(pad)[:, :, None]
+    np.testing.assert_allclose(np.where(rows, got, 0), np.where(rows, want, 0), atol=2e-5)
+
+
+def test_linen_matches_flax():
+    x = _x()
+    ref = linen.MultiHeadDotProductAttention(num_heads=N, qkv_features=F)
+    ours = linen.MultiHeadDotProductAttention(num_heads=N, qkv_features=F,
+                                              attention_fn=flexjax.flax.make_attention_fn("xla"))
+    params = ref.init(jax.random.PRNGKey(0), x)
+    mask = linen.make_causal_mask(jnp.ones((B, T)))
+    np.testing.assert_allclose(ours.apply(params, x, mask=mask), ref.apply(params, x, mask=mask), atol=2e-5)
+
+
+def test_dropout_trains_and_evaluates():
+    (ours,) = _nnx_pair(dropout_rate=0.5)[1:]
+    x = _x()
+    ours.eval()
+    a, b = ours(x), ours(x)
+    np.testing.assert_array_equal(a, b)  # deterministic in eval
+    ours.train()
+    c = ours(x, rngs=nnx.Rngs(dropout=3))
+    assert not np.allclose(a, c)
+
+
+def test_batch_axes_and_refusals():
+    fn = flexjax.flax.make_attention_fn("reference")
+    q = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 10, N, 8))  # two batch axes
+    out = fn(q, q, q)
+    ref = jax.vmap(lambda x: jax.nn.dot_product_attention(x, x, x))(q)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    with pytest.raises(NotImplementedError, match="sow"):
+        fn(q, q, q, module=object())
+    with pytest.raises(ValueError, match="implementation"):
+        flexjax.flax.make_attention_fn("cudnn")
+    with pytest.raises(ValueError, match="dropout_rng"):
+        fn(q, q, q, dropout_rate=0.1)
