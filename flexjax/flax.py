@@ -1,4 +1,4 @@
-"""Flax integration: an ``attention_fn`` for ``nnx.MultiHeadAttention`` and linen's ``MultiHeadDotProductAttention``.
+"""Flax integration: an ``attention_fn`` for Flax's attention modules, and ``FlexMultiHeadAttention``.
 
     from flax import nnx
     import flexjax.flax
@@ -10,8 +10,10 @@
 signature) and computes the attention with ``flexjax.flex_attention``: ``mask`` and
 ``is_causal`` become a BlockMask (a causal mask skips the tiles above the diagonal), a
 ``bias`` a score_mod reading it. ``make_attention_fn(implementation=..., kernel_options=...)``
-binds a backend. Flax is an optional dependency (``pip install 'flexjax[flax]'``); importing
-this module needs it, ``import flexjax`` does not.
+binds a backend. ``FlexMultiHeadAttention`` is an NNX layer of its own that takes a score_mod,
+a mask_mod or a BlockMask, GQA, and a contiguous decode cache. Flax is an optional
+dependency (``pip install 'flexjax[flax]'``); importing this module needs it, ``import
+flexjax`` does not.
 
 Where it differs from flax's function:
 - dropout uses flexjax's own keep mask (a hash of the rng, batch, head, query and key
@@ -29,10 +31,14 @@ import math
 from collections.abc import Callable
 
 import flax  # noqa: F401  (the optional dependency this module stands on: fail at import without it)
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from ._api import flex_attention
+from ._block_mask import BlockMask, create_block_mask
 from ._drop_in import as_flex
+from ._trace import trace_mod
 from .backends import available_backends
 
 
@@ -96,3 +102,114 @@ def make_attention_fn(implementation: str | None = None, kernel_options: dict | 
 attention_fn = make_attention_fn()
 """The ``attention_fn`` on flexjax's automatic backend choice (``make_attention_fn()``)."""
 
+
+
+class FlexMultiHeadAttention(nnx.Module):
+    """Multi-head attention whose core is ``flexjax.flex_attention``, with mods, GQA and a decode cache.
+
+    Projections: query ``in_features -> num_heads * head_dim``, key and value ``->
+    num_kv_heads * head_dim`` (GQA when ``num_kv_heads < num_heads``), output back to
+    ``out_features`` (default ``in_features``). Layout (batch, length, features).
+
+    Args:
+      num_heads, in_features: query heads and input width.
+      num_kv_heads: key / value heads (default ``num_heads``); divides ``num_heads``.
+      head_dim: default ``in_features // num_heads``.
+      out_features: default ``in_features``.
+      score_mod, mask_mod: the layer's own mods (a call's arguments take precedence); in
+        decode mode they see absolute positions (``q_idx`` counts from the cache's start).
+      dropout_rate: on the attention probabilities, when ``deterministic`` is False (flexjax's
+        keep mask; the call's ``rngs`` give the key).
+      implementation, kernel_options: the flexjax backend (None: automatic) and its options.
+      dtype, param_dtype, use_bias: as ``nnx.Linear``'s.
+      rngs: ``nnx.Rngs`` for the parameters.
+    """
+
+    def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, out_features: int | None = None, score_mod=None, mask_mod=None,
+                 dropout_rate: float = 0.0, deterministic: bool = True, implementation: str | None = None,
+                 kernel_options: dict | None = None, dtype=None, param_dtype=jnp.float32, use_bias: bool = False,
+                 rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        head_dim = in_features // num_heads if head_dim is None else head_dim
+        if head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {head_dim} (in_features // num_heads by default)")
+        if implementation is not None and implementation not in available_backends():
+            raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, "
+                             f"got {implementation!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.score_mod, self.mask_mod = score_mod, mask_mod
+        self.dropout_rate, self.deterministic = float(dropout_rate), deterministic
+        self.implementation, self.kernel_options = implementation, kernel_options
+        self.dtype = dtype
+        lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.query = nnx.Linear(in_features, num_heads * head_dim, **lin)
+        self.key = nnx.Linear(in_features, num_kv_heads * head_dim, **lin)
+        self.value = nnx.Linear(in_features, num_kv_heads * head_dim, **lin)
+        self.out = nnx.Linear(num_heads * head_dim, out_features or in_features, **lin)
+        # The decode cache's variables (init_cache fills them): data, not static fields.
+        self.cached_key, self.cached_value, self.cache_index = nnx.data(None), nnx.data(None), nnx.data(None)
+
+    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32):
+        """A contiguous decode cache of ``max_length`` positions (``nnx.Cache`` variables)."""
+        shape = (batch, max_length, self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def _block_mask(self, mask_mod, B: int, T: int, S: int) -> BlockMask:
+        """The BlockMask of ``mask_mod``, per batch element / head only where it reads ``b`` / ``h``."""
+        uses = trace_mod(mask_mod, "mask", arg_name="mask_mod").static().uses
+        return create_block_mask(mask_mod, B if "b" in uses else None, self.num_heads if "h" in uses else None, T, S)
+
+    def __call__(self, x: jax.Array, *, block_mask: BlockMask | None = None, score_mod=None, mask_mod=None,
+                 decode: bool = False, deterministic: bool | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """Attention over ``x`` (batch, length, in_features).
+
+        ``block_mask`` (for (length, length)) or a ``mask_mod`` (the call's, else the layer's)
+        masks the pairs; ``decode=True`` appends this call's keys and values to the cache at
+        its index and attends over the cache's filled part, causally by absolute position.
+        """
+        B, T, _ = x.shape
+        q = self.query(x).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.key(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.value(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        score_mod = score_mod if score_mod is not None else self.score_mod
+        mask_mod = mask_mod if mask_mod is not None else self.mask_mod
+        deterministic = self.deterministic if deterministic is None else deterministic
+        rate = 0.0 if deterministic else self.dropout_rate
+        if rate > 0.0 and rngs is None:
+            raise ValueError("FlexMultiHeadAttention needs rngs (with a 'dropout' stream) when dropout is active")
+        dropout_rng = rngs.dropout() if rate > 0.0 else None
+        if decode:
+            if self.cache_index is None:
+                raise ValueError("decode=True needs a cache: call init_cache(batch, max_length) first")
+            if block_mask is not None:
+                raise ValueError("decode=True builds its own mask from the cache index; pass a mask_mod, not a "
+                                 "block_mask")
+            start = self.cache_index[...]
+            S = self.cached_key.shape[1]
+            self.cached_key[...] = jax.lax.dynamic_update_slice(
+                self.cached_key[...], k.astype(self.cached_key.dtype), (0, start, 0, 0))
+            self.cached_value[...] = jax.lax.dynamic_update_slice(
+                self.cached_value[...], v.astype(self.cached_value.dtype), (0, start, 0, 0))
+            self.cache_index[...] = start + T
+            k, v = self.cached_key[...].astype(q.dtype), self.cached_value[...].astype(q.dtype)
+            user_mask, user_score = mask_mod, score_mod
+
+            def mask_mod(b, h, q_idx, kv_idx):  # causal by absolute position
+                ok = kv_idx <= start + q_idx
+                return ok if user_mask is None else ok & user_mask(b, h, start + q_idx, kv_idx)
+
+            if user_score is not None:
+                def score_mod(score, b, h, q_idx, kv_idx):
+                    return user_score(score, b, h, start + q_idx, kv_idx)
+
+            block_mask = self._block_mask(mask_mod, B, T, S)
+        elif block_mask is None and mask_mod is not None:
+            block_mask = self._block_mask(mask_mod, B, T, T)
+        out = flex_attention(q, k, v, score_mod, block_mask, dropout_rate=rate, dropout_rng=dropout_rng,
+                             backend=self.implementation, kernel_options=self.kernel_options)
+        return self.out(out.reshape(B, T, self.num_heads * self.head_dim))

@@ -54,9 +54,9 @@ CASES = {
     "lengths": {"query_seq_lengths": np.array([30, 40], np.int32),
                 "key_value_seq_lengths": np.array([56, 21], np.int32)},
     "bias_per_head": {"bias": (1, N, T, S)},
-    "bias_2d_causal": {"bias": (T, S), "is_causal": True},
     "mask_per_batch": {"mask": (B, 1, T, S)},
     "mask_per_head_window": {"mask": (1, N, T, S), "local_window_size": (6, 4)},
+    # A 2-D mask (leading axes added, as jax.nn does) with every other argument.
     "everything": {"bias": (B, 1, 1, S), "mask": (T, S), "is_causal": True, "local_window_size": (20, 0),
                    "query_seq_lengths": np.array([40, 25], np.int32),
                    "key_value_seq_lengths": np.array([33, 56], np.int32)},

@@ -92,3 +92,91 @@ def test_batch_axes_and_refusals():
         flexjax.flax.make_attention_fn("cudnn")
     with pytest.raises(ValueError, match="dropout_rng"):
         fn(q, q, q, dropout_rate=0.1)
+
+
+# -- FlexMultiHeadAttention ------------------------------------------------------------------
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _layer(**kw):
+    return flexjax.flax.FlexMultiHeadAttention(N, F, num_kv_heads=2, mask_mod=_causal, implementation="xla",
+                                               rngs=nnx.Rngs(0), **kw)
+
+
+def _by_hand(layer, x):
+    """The layer's projections around jax.nn.dot_product_attention (causal, GQA)."""
+    hd = layer.head_dim
+    q = layer.query(x).reshape(B, T, N, hd)
+    k = layer.key(x).reshape(B, T, 2, hd)
+    v = layer.value(x).reshape(B, T, 2, hd)
+    return layer.out(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, N * hd))
+
+
+def test_flex_layer_matches_by_hand_under_jit_and_grad():
+    layer, x = _layer(), _x()
+
+    def grads(fn):
+        return nnx.jit(lambda layer, x: nnx.grad(lambda m: jnp.sum(fn(m, x) ** 2))(layer))(layer, x)
+
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(layer, x), _by_hand(layer, x), atol=2e-5)
+    g = grads(lambda m, x: m(x))
+    g_ref = grads(_by_hand)
+    for a, b in zip(jax.tree.leaves(nnx.state(g)), jax.tree.leaves(nnx.state(g_ref))):
+        np.testing.assert_allclose(a, b, atol=2e-4 * max(1.0, float(jnp.max(jnp.abs(b)))))
+
+
+def test_flex_layer_under_remat():
+    layer, x = _layer(), _x()
+
+    def loss(m, fn):
+        return jnp.sum(fn(m, x) ** 2)
+
+    g = nnx.grad(lambda m: loss(m, nnx.remat(lambda m, x: m(x))))(layer)
+    g_ref = nnx.grad(lambda m: loss(m, lambda m, x: m(x)))(layer)
+    for a, b in zip(jax.tree.leaves(nnx.state(g)), jax.tree.leaves(nnx.state(g_ref))):
+        np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, float(jnp.max(jnp.abs(b)))))
+
+
+def test_flex_layers_under_scan():
+    L = 3
+
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return flexjax.flax.FlexMultiHeadAttention(N, F, mask_mod=_causal, implementation="xla", rngs=rngs)
+
+    layers = make(nnx.Rngs(0))
+    x = _x()
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def stack(x, layer):
+        return x + layer(x)
+
+    got = stack(x, layers)
+    graphdef, state = nnx.split(layers)
+    want = x
+    for i in range(L):  # the same layers one by one
+        want = want + nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))(want)
+    np.testing.assert_allclose(got, want, atol=5e-5)
+
+
+def test_flex_layer_decode_matches_the_full_forward():
+    layer, x = _layer(), _x()
+    full = layer(x)
+    layer.init_cache(B, T)
+    prefill = layer(x[:, :10], decode=True)
+    steps = [layer(x[:, t:t + 1], decode=True) for t in range(10, T)]
+    np.testing.assert_allclose(jnp.concatenate([prefill, *steps], axis=1), full, atol=3e-5)
+    assert int(layer.cache_index[...]) == T
+
+
+def test_flex_layer_refusals():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        flexjax.flax.FlexMultiHeadAttention(N, F, num_kv_heads=3, rngs=nnx.Rngs(0))
+    layer = _layer(dropout_rate=0.1, deterministic=False)
+    with pytest.raises(ValueError, match="rngs"):
+        layer(_x())
+    with pytest.raises(ValueError, match="init_cache"):
+        _layer()(_x(), decode=True)
