@@ -104,6 +104,27 @@ attention_fn = make_attention_fn()
 
 
 
+def _check_room(start, T: int, S: int) -> None:
+    """Raises when T new positions from ``start`` do not fit a cache of S: eagerly at once,
+    under jit at run time through a host callback (a clamped write would be a silent wrong
+    answer)."""
+    def fail(at):
+        raise ValueError(f"the decode cache holds {S} positions; writing {T} at position {int(at)} overflows it "
+                         f"(init_cache with a larger max_length)")
+
+    if T > S:
+        fail(0)
+    try:
+        at = int(start)
+    except jax.errors.ConcretizationTypeError:  # traced (under jit)
+        pass
+    else:
+        if at + T > S:
+            fail(at)
+        return
+    jax.lax.cond(start + T > S, lambda s: jax.debug.callback(fail, s), lambda s: None, start)
+
+
 class FlexMultiHeadAttention(nnx.Module):
     """Multi-head attention whose core is ``flexjax.flex_attention``, with mods, GQA and a decode cache.
 
@@ -191,6 +212,7 @@ class FlexMultiHeadAttention(nnx.Module):
                                  "block_mask")
             start = self.cache_index[...]
             S = self.cached_key.shape[1]
+            _check_room(start, T, S)
             self.cached_key[...] = jax.lax.dynamic_update_slice(
                 self.cached_key[...], k.astype(self.cached_key.dtype), (0, start, 0, 0))
             self.cached_value[...] = jax.lax.dynamic_update_slice(

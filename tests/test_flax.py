@@ -180,3 +180,12 @@ def test_flex_layer_refusals():
         layer(_x())
     with pytest.raises(ValueError, match="init_cache"):
         _layer()(_x(), decode=True)
+    layer = _layer()
+    layer.init_cache(B, T)
+    layer(_x(), decode=True)
+    with pytest.raises(ValueError, match="overflows"):  # a full cache: a clamped write would be wrong
+        layer(_x()[:, :1], decode=True)
+    layer.init_cache(B, T)
+    layer(_x()[:, :20], decode=True)
+    with pytest.raises(Exception, match="overflows"):  # under jit: at run time, from a host callback
+        nnx.jit(lambda m, x: m(x, decode=True))(layer, _x()[:, :8]).block_until_ready()
