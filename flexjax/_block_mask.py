@@ -481,7 +481,19 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     Returns:
       A BlockMask (a pytree) for ``flex_attention(..., block_mask=...)``.
     """
-    B_arg, H_arg = B, H
+    return _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, analyse, max_blocks_per_row, only_read_axes=False)
+
+
+def block_mask_over_read_axes(mask_mod: Callable | None, B: int, H: int, Q_LEN: int, KV_LEN: int, *,
+                              block_size: int | tuple[int, int] = 128) -> BlockMask:
+    """``create_block_mask`` per batch element / head only along the axes ``mask_mod`` reads
+    (``b`` / ``h``), broadcast over the others: for callers that hold a mod they did not write
+    (``flexjax.flax``), tracing it once."""
+    return _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, True, None, only_read_axes=True)
+
+
+def _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, analyse, max_blocks_per_row, *, only_read_axes: bool):
+    B_arg, H_arg = B, H  # None = broadcast (the sizes below are 1 there)
     B = _check_dim("B", B, allow_none=True)
     H = _check_dim("H", H, allow_none=True)
     Q_LEN = _check_dim("Q_LEN", Q_LEN, allow_none=False)
@@ -490,9 +502,13 @@ def create_block_mask(mask_mod: Callable | None, B: int | None, H: int | None, Q
     if max_blocks_per_row is not None:
         max_blocks_per_row = _check_dim("max_blocks_per_row", max_blocks_per_row, allow_none=False)
     if mask_mod is None:
-        return full_block_mask(B, H, Q_LEN, KV_LEN, block_size=(bq, bkv))
+        return full_block_mask(1 if only_read_axes else B, 1 if only_read_axes else H, Q_LEN, KV_LEN,
+                               block_size=(bq, bkv))
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
     static = traced.static()  # its key prints the jaxpr: once, not per use
+    if only_read_axes:
+        B_arg, B = (B_arg, B) if "b" in static.uses else (None, 1)
+        H_arg, H = (H_arg, H) if "h" in static.uses else (None, 1)
     check_broadcast(static, B_arg, H_arg)
     return _with_kv_band(_build_mask(static, traced.consts, B, H, Q_LEN, KV_LEN, bq, bkv, analyse,
                                      max_blocks_per_row))

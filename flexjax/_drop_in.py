@@ -25,6 +25,13 @@ from ._block_mask import create_block_mask
 from .backends import available_backends
 
 
+def check_implementation(implementation) -> None:
+    """``implementation`` is None or a flexjax backend's name (jax.nn's 'cudnn' is not one)."""
+    if implementation is not None and implementation not in available_backends():
+        raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, got "
+                         f"{implementation!r} (jax.nn's 'cudnn' is jax.nn.dot_product_attention's own)")
+
+
 def _ensure_4d(x, name: str):
     """jax.nn's rule: arrays of rank below 4 get leading axes of size 1."""
     x = jnp.asarray(x)
@@ -174,9 +181,7 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, bi
     Raises:
       ValueError / TypeError: an argument of the wrong shape, dtype or value, naming it.
     """
-    if implementation is not None and implementation not in available_backends():
-        raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, got "
-                         f"{implementation!r} (jax.nn's 'cudnn' is jax.nn.dot_product_attention's own)")
+    check_implementation(implementation)
     q, k, v, score_mod, block_mask, unbatched = as_flex(
         query, key, value, bias, mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size)

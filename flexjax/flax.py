@@ -36,10 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._api import flex_attention
-from ._block_mask import BlockMask, create_block_mask
-from ._drop_in import as_flex
-from ._trace import trace_mod
-from .backends import available_backends
+from ._block_mask import BlockMask, block_mask_over_read_axes
+from ._drop_in import as_flex, check_implementation
 
 
 def _flatten_batch(x, batch: tuple[int, ...], name: str):
@@ -63,9 +61,7 @@ def _flatten_batch(x, batch: tuple[int, ...], name: str):
 def make_attention_fn(implementation: str | None = None, kernel_options: dict | None = None) -> Callable:
     """An ``attention_fn`` for Flax's attention modules, on ``implementation`` (a flexjax
     backend, or None to let flexjax pick) with ``kernel_options``."""
-    if implementation is not None and implementation not in available_backends():
-        raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, got "
-                         f"{implementation!r}")
+    check_implementation(implementation)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -157,9 +153,7 @@ class FlexMultiHeadAttention(nnx.Module):
         head_dim = in_features // num_heads if head_dim is None else head_dim
         if head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {head_dim} (in_features // num_heads by default)")
-        if implementation is not None and implementation not in available_backends():
-            raise ValueError(f"implementation must be None or a flexjax backend {sorted(available_backends())}, "
-                             f"got {implementation!r}")
+        check_implementation(implementation)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.dropout_rate, self.deterministic = float(dropout_rate), deterministic
@@ -179,11 +173,6 @@ class FlexMultiHeadAttention(nnx.Module):
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
-
-    def _block_mask(self, mask_mod, B: int, T: int, S: int) -> BlockMask:
-        """The BlockMask of ``mask_mod``, per batch element / head only where it reads ``b`` / ``h``."""
-        uses = trace_mod(mask_mod, "mask", arg_name="mask_mod").static().uses
-        return create_block_mask(mask_mod, B if "b" in uses else None, self.num_heads if "h" in uses else None, T, S)
 
     def __call__(self, x: jax.Array, *, block_mask: BlockMask | None = None, score_mod=None, mask_mod=None,
                  decode: bool = False, deterministic: bool | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -229,9 +218,9 @@ class FlexMultiHeadAttention(nnx.Module):
                 def score_mod(score, b, h, q_idx, kv_idx):
                     return user_score(score, b, h, start + q_idx, kv_idx)
 
-            block_mask = self._block_mask(mask_mod, B, T, S)
+            block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, S)
         elif block_mask is None and mask_mod is not None:
-            block_mask = self._block_mask(mask_mod, B, T, T)
+            block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, T)
         out = flex_attention(q, k, v, score_mod, block_mask, dropout_rate=rate, dropout_rng=dropout_rng,
                              backend=self.implementation, kernel_options=self.kernel_options)
         return self.out(out.reshape(B, T, self.num_heads * self.head_dim))

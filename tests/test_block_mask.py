@@ -169,3 +169,20 @@ def test_combinators():
         flexjax.and_masks()
     with pytest.raises(TypeError, match="mask_mod callables"):
         flexjax.or_masks(3)
+
+
+def test_block_mask_over_read_axes_keeps_only_the_axes_the_mod_reads():
+    """Per batch element only where the mask_mod reads b; broadcast over h it does not read."""
+    from flexjax._block_mask import block_mask_over_read_axes
+
+    lengths = jnp.array([40, 100], jnp.int32)
+
+    def padded(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    bm = block_mask_over_read_axes(padded, 2, 8, 128, 128, block_size=32)
+    ref = flexjax.create_block_mask(padded, 2, None, 128, 128, block_size=32)
+    assert bm.tile_lists().kv_num.shape[:2] == (2, 1)
+    for a, b in zip(bm.tile_lists(), ref.tile_lists()):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert block_mask_over_read_axes(flexjax.masks.causal, 2, 8, 128, 128).tile_lists().kv_num.shape[:2] == (1, 1)
