@@ -55,9 +55,9 @@ _MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
 # Wrappers that Pallas inlines on every target.
 _PLUMBING = frozenset({"jit", "pjit", "stop_gradient"})
 
-TARGETS = ("interpret", "cuda", "tpu", "triton")
+TARGETS = ("interpret", "cuda", "tpu", "triton", "mosaic_gpu")
 # The backend that compiles for each target (named in error messages).
-_BACKEND = {"interpret": "pallas", "cuda": "pallas", "tpu": "pallas", "triton": "triton"}
+_BACKEND = {"interpret": "pallas", "cuda": "pallas", "tpu": "pallas", "triton": "triton", "mosaic_gpu": "mosaic_gpu"}
 
 _ARG_TAGS = {"score": "score", "b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
 
@@ -438,6 +438,11 @@ def _lowering_rules(target: str):
 
         (tensor_core,) = [k for k in mosaic_lowering.lowering_rules if k.name == "TC"]
         return {p.name for p in mosaic_lowering.lowering_rules[tensor_core]}, _MOSAIC_GAPS
+    if target == "mosaic_gpu":
+        from jax._src.pallas.mosaic_gpu import core as gpu_core
+        from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+
+        return {p.name for p in mgpu_lowering.mosaic_lowering_rules[gpu_core.LANExWG_SEMANTICS]}, frozenset()
     return None, frozenset()
 
 
@@ -445,11 +450,11 @@ def _check_prims(prims, target: str, mod_name: str, where: str):
     rules, gaps = _lowering_rules(target)
     if rules is None:
         return
-    lowering = "Triton (GPU)" if target == "cuda" else "Mosaic (TPU)"
+    lowering = {"cuda": "Triton (GPU)", "tpu": "Mosaic (TPU)", "mosaic_gpu": "Mosaic GPU"}[target]
     for p in sorted(prims):
         if p in gaps or (p not in rules and p not in _PLUMBING):
             raise NotImplementedError(
-                f"mod {mod_name!r} uses primitive {p!r}{where}, which the pallas backend cannot lower "
+                f"mod {mod_name!r} uses primitive {p!r}{where}, which the {_BACKEND[target]} backend cannot lower "
                 f"for {lowering}; rewrite the mod without it or use backend='xla'")
 
 
@@ -535,6 +540,12 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
         if out not in hoisted:
             hoisted.append(out)
     for node, s in zip(nodes, side):
+        if s == "k" and node.prim.name in READS and target == "mosaic_gpu":
+            raise NotImplementedError(
+                f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
+                f"(primitive {node.prim.name!r}), a gather inside the kernel, which the mosaic_gpu kernels do not do. "
+                "Arrays indexed only by b, h and q_idx, or only by b, h and kv_idx, are supported; "
+                "backend='triton' serves this mod")
         if s == "k" and node.prim.name in READS and target == "tpu":
             raise NotImplementedError(
                 f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "

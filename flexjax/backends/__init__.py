@@ -17,15 +17,17 @@ _BACKENDS = {
     "xla": "flexjax.backends.xla",
     "pallas": "flexjax.backends.pallas",
     "triton": "flexjax.backends.triton",
+    "mosaic_gpu": "flexjax.backends.mosaic_gpu",
 }
 
-# Ordered choices for backend=None, per platform; each list ends on "xla". On GPU, "triton"
-# serves only where jax-triton imports (its ``supports`` says so otherwise, and the
-# call warns that it fell through to "pallas").
+# Ordered choices for backend=None, per platform; each list ends on "xla". On GPU,
+# "mosaic_gpu" serves compute capability 9.0 and the mods, dtypes and head dims it takes
+# (its ``supports`` refuses the rest), "triton" only where jax-triton imports (the call
+# warns that it fell through to "pallas").
 _PLATFORM_ORDER = {
     "cpu": ("xla",),
-    "gpu": ("triton", "pallas", "xla"),
-    "cuda": ("triton", "pallas", "xla"),
+    "gpu": ("mosaic_gpu", "triton", "pallas", "xla"),
+    "cuda": ("mosaic_gpu", "triton", "pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
 

@@ -1,0 +1,207 @@
+"""The mosaic_gpu backend: warp-specialized block-sparse kernels in Pallas' Mosaic GPU dialect.
+
+For NVIDIA GPUs of compute capability 9.0 (Hopper; ``wgmma`` from shared memory, TMA
+copies, mbarriers); on a CPU host the same kernels run in Mosaic GPU's interpreter, and
+``kernel_options={"target": "cuda"}`` lowers them for the GPU whatever the host. The
+kernels are ``_kernels``; what surrounds them (options, padding, residuals, the gradients
+of captured arrays) is the kernel backends' shared front end.
+
+What it takes, and what it refuses with a reason that ``backend=None`` falls past:
+- 16-bit inputs (float16, bfloat16): wgmma reads 16-bit tiles; float32 is refused;
+- head dims that are multiples of 64, up to 256, and the value head dim equal to it;
+- mods that read captured arrays only through hoisted rows and columns (indexed by b, h
+  and q_idx, or b, h and kv_idx) and scalars; a read indexed by both q_idx and kv_idx
+  (a relative-position table) is a gather, which the kernels do not do;
+- no dropout (the keep-mask hash is not in these kernels yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..._modcompiler import compile_mod
+from .._contract import Implementation, always, never_raises
+from .._frontend import (
+    KernelOptionsBase,
+    backward_inputs,
+    backward_results,
+    basic_reason,
+    check_options,
+    fill,
+    forward_results,
+    prepare,
+    target_and_interpret,
+)
+from .._layout import Mods, geometry, pad_axis, prologues
+from . import _kernels
+
+NAME = "mosaic_gpu"
+
+_TARGETS = ("cuda",)
+# Compute capabilities the kernels are written for: wgmma is sm_90a's.
+CAPABILITIES = (90,)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions(KernelOptionsBase):
+    """Options of the mosaic_gpu backend.
+
+    Attributes (beyond ``target``, ``interpret`` and the tiles):
+      block_q, bwd_block_q: must be 128 in the forward and dQ (two consumer warpgroups of
+        64 query rows); ``bwd_block_q`` is the query tile the dK/dV kernel walks (64).
+      block_kv, bwd_block_kv: the key tile the forward and dQ walk (64 or 128); the dK/dV
+        kernel owns 128 key rows per CTA.
+      num_stages, bwd_num_stages: depth of the TMA ring (>= 2).
+      compute_capability: the GPU to compile for (90); default the device's, 90 from a CPU host.
+    """
+
+    compute_capability: int | None = None
+
+
+# num_warps does not apply: every kernel runs three warpgroups (a producer, two consumers).
+_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions) if "warps" not in f.name)
+
+
+def _device_capability() -> int | None:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    major, _, minor = str(getattr(dev, "compute_capability", "")).partition(".")
+    if not (major.isdigit() and (minor or "0").isdigit()):
+        return None
+    return int(major) * 10 + int(minor or 0)
+
+
+def _host_target() -> str | None:
+    return "cuda" if jax.default_backend() in ("gpu", "cuda") else None
+
+
+def heuristics(head_dim: int, block_size) -> KernelOptions:
+    """Default tiles: 128 query rows per CTA; 128 keys per step up to D = 128 (64 above, for
+    shared memory: the ring of K and V tiles at D = 256 and 128 keys would not fit)."""
+    tk = 128 if head_dim <= 128 else 64
+    return KernelOptions(target="cuda", interpret=False, block_q=_kernels.CTA_ROWS, block_kv=tk,
+                         bwd_block_q=_kernels.WG_ROWS, bwd_block_kv=64, num_stages=2, bwd_num_stages=2,
+                         compute_capability=90)
+
+
+def _resolve(spec, head_dim: int) -> KernelOptions:
+    target, interpret = target_and_interpret(spec, _host_target())
+    default = heuristics(head_dim, spec.block_size)
+    cc = spec.options.get("compute_capability") or _device_capability() or 90
+    return fill(KernelOptions, spec, default, target=target, interpret=interpret, compute_capability=cc)
+
+
+def _mods(spec) -> Mods:
+    return Mods(score=compile_mod(spec.score, "mosaic_gpu") if spec.score is not None else None,
+                mask=compile_mod(spec.mask, "mosaic_gpu") if spec.mask is not None else None)
+
+
+def validate_options(spec) -> None:
+    """Raises ValueError for an invalid value of one of this backend's kernel_options."""
+    check_options(spec.options, spec.block_size, _TARGETS)
+    cc = spec.options.get("compute_capability")
+    if cc is not None and (isinstance(cc, bool) or not isinstance(cc, int) or cc <= 0):
+        raise ValueError(f"kernel_options['compute_capability'] must be a positive int such as 90, got {cc!r}")
+    for f in ("num_stages", "bwd_num_stages"):
+        val = spec.options.get(f)
+        if val is not None and val < 2:
+            raise ValueError(f"kernel_options[{f!r}] must be >= 2 (the depth of the TMA ring), got {val}")
+
+
+def _tile_reason(spec, o: KernelOptions) -> str | None:
+    if o.block_q != _kernels.CTA_ROWS:
+        return f"the mosaic_gpu forward takes block_q={_kernels.CTA_ROWS} (two warpgroups of 64 rows), got {o.block_q}"
+    if o.bwd_block_q != _kernels.WG_ROWS:
+        return f"the mosaic_gpu dK/dV kernel walks bwd_block_q={_kernels.WG_ROWS}, got {o.bwd_block_q}"
+    for f in ("block_kv", "bwd_block_kv"):
+        if getattr(o, f) not in (64, 128):
+            return f"the mosaic_gpu kernels take {f} of 64 or 128, got {getattr(o, f)}"
+    bq, bk = spec.block_size
+    for tile, base, what in ((o.block_q, bq, "block_q"), (o.bwd_block_q, bq, "bwd_block_q"),
+                             (o.block_kv, bk, "block_kv"), (o.bwd_block_kv, bk, "bwd_block_kv"),
+                             (_kernels.CTA_ROWS, bk, "the dK/dV kernel's 128 key rows")):
+        if tile % base and base % tile:
+            return (f"{what} ({tile}) must divide the BlockMask's block ({base}) or be a multiple of it; rebuild "
+                    "the BlockMask with a power-of-two block_size")
+    return None
+
+
+@never_raises
+def supports(spec, q, k, v) -> str | None:
+    """None if the mosaic_gpu backend can serve this call, else why not (``validate_options`` has run)."""
+    basic = basic_reason(NAME, spec, q, _FIELDS, _host_target())
+    if basic is not None:
+        return basic
+    if q.dtype not in (jnp.float16, jnp.bfloat16):
+        return f"the mosaic_gpu backend takes float16 or bfloat16 inputs (wgmma reads 16-bit tiles), got {q.dtype}"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D % 64 or D > 256:
+        return f"the mosaic_gpu backend takes head dims that are multiples of 64 up to 256, got {D}"
+    if Dv != D:
+        return f"the mosaic_gpu backend takes a value head dim equal to the query's ({D}), got {Dv}"
+    if spec.dropout_rate:
+        return "the mosaic_gpu kernels have no dropout; pass backend='triton' or 'pallas' for dropout"
+    o = _resolve(spec, D)
+    if o.target == "cuda" and not o.interpret and o.compute_capability not in CAPABILITIES:
+        return (f"the mosaic_gpu kernels are written for compute capability 9.0 (wgmma), got "
+                f"{o.compute_capability / 10:.1f}")
+    reason = _tile_reason(spec, o)
+    if reason is not None:
+        return reason
+    try:
+        _mods(spec)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+FORWARD = (Implementation("warp_specialized", always),)
+BACKWARD = (Implementation("warp_specialized", always),)
+
+
+def _hoisted(pros):
+    """The kernels' row and column operands: (B', H', n), float32 or int32 (bools as int32)."""
+    rows, cols = [], []
+    for pro in pros:
+        rows += [_as_kernel(r[..., 0]) for r in pro.rows]
+        cols += [_as_kernel(c[..., 0, :]) for c in pro.cols]
+    return tuple(rows), tuple(cols)
+
+
+def _as_kernel(x):
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
+
+
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
+    """out, lse and the rows' ``Residuals`` (B, Hq, Sq) float32."""
+    o = _resolve(spec, q.shape[-1])
+    mods = _mods(spec)
+    g, lists, qp, kp, vp = prepare(spec, q, k, v, lists, o.block_q, o.block_kv)
+    rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
+    out, row_max, row_sum = _kernels.forward(g, mods, spec.scale, qp, kp, vp, lists, rows, cols,
+                                             stages=o.num_stages, interpret=o.interpret, block_kv=o.block_kv)
+    return forward_results(q, v, out, row_max, row_sum)
+
+
+def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
+             dropout_seed=None):
+    """dq, dk, dv and the score_mod's captured-array gradients (through the prologue's VJP)."""
+    o = _resolve(spec, q.shape[-1])
+    mods = _mods(spec)
+    # dQ walks (128 query rows, bwd_block_kv keys) tiles, dK/dV (bwd_block_q, 128 key rows): both
+    # pad to the larger of their sequence lengths, with the lists regrouped for each.
+    gq, lists_q = geometry(spec, q, k, lists, _kernels.CTA_ROWS, o.bwd_block_kv)
+    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.CTA_ROWS)
+    sq, skv = max(gq.sq, gk.sq), max(gq.skv, gk.skv)
+    g, gk = dataclasses.replace(gq, sq=sq, skv=skv), dataclasses.replace(gk, sq=sq, skv=skv)
+    qp, kp, vp = pad_axis(q, 1, sq), pad_axis(k, 1, skv), pad_axis(v, 1, skv)
+    rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
+    lse_safe, delta, dop = backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
+    grads = _kernels.backward(g, gk, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists_q, lists_kv,
+                              rows, cols, stages=o.bwd_num_stages, interpret=o.interpret)
+    return backward_results(spec, q, v, g, mods.score, score_consts, any(grad_consts), grads)
