@@ -100,6 +100,16 @@ class _Lists:
         return entry * self.sub + _rem(u, self.sub)
 
 
+def _drain(n, stages: int, *frees):
+    """The producer waits for the consumers' last uses of each ring slot (the last ``stages``
+    steps of ``n``), so it has observed every phase of the "consumed" barriers it waits on,
+    as Mosaic GPU's interpreter checks, and no slot is in flight when the kernel ends."""
+    @pl.loop(jnp.maximum(n - stages, 0), n)
+    def _(t):
+        for free in frees:
+            plgpu.barrier_wait(free.at[_rem(t, stages)])
+
+
 def _mod_tile(cm, score, b, h, q_idx, kv_idx, rows, cols):
     if cm is None:
         return score
@@ -165,14 +175,17 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     plgpu.barrier_wait(k_free.at[slot])
 
                 plgpu.copy_gmem_to_smem(kt_ref.at[b, kvh, :, pl.ds(ks, tk)], k_smem.at[slot], k_bar.at[slot])
-                for c, ref in enumerate(col_refs):
-                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot], col_bar.at[c * stages + slot])
 
                 @pl.when(t >= stages)
                 def _():
                     plgpu.barrier_wait(v_free.at[slot])
 
                 plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(ks, tk), kvh], v_smem.at[slot], v_bar.at[slot])
+                # Column values are read before the consumers release V's slot.
+                for c, ref in enumerate(col_refs):
+                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot], col_bar.at[c * stages + slot])
+
+            _drain(walk.n, stages, k_free, v_free)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
@@ -301,5 +314,451 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
     return call(kv_n, kv_i, fkv_n, fkv_i, q, k.transpose(0, 2, 3, 1), v, *rows, *cols)
 
 
-__all__ = ["forward", "WG_ROWS", "CTA_ROWS"]
-functools  # noqa: B018
+
+# -- backward --------------------------------------------------------------------------------
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _score_vjp(cm, s_raw, b, h, q_idx, kv_idx, rows, cols):
+    """The score_mod on a tile and its VJP in the raw scores and the float hoisted tiles.
+
+    Returns ``(s, vjp)`` with ``vjp(ds) -> (ds_raw, d_rows, d_cols)``, None for non-float
+    rows / columns. ``rows`` / ``cols`` are the kernels' float32 / int32 tiles; the mod
+    sees its own dtypes.
+    """
+    fr = [i for i, x in enumerate(rows) if _is_float(x)]
+    fc = [i for i, x in enumerate(cols) if _is_float(x)]
+
+    def f(s, frows, fcols):
+        r, c = list(rows), list(cols)
+        for i, x in zip(fr, frows):
+            r[i] = x
+        for i, x in zip(fc, fcols):
+            c[i] = x
+        return cm.evaluate(s, b, h, q_idx, kv_idx, _cast_back(cm, r, cm.rows), _cast_back(cm, c, cm.cols), None)
+
+    s, pull = jax.vjp(f, s_raw, [rows[i] for i in fr], [cols[i] for i in fc])
+
+    def vjp(ds):
+        ds_raw, d_fr, d_fc = pull(ds)
+        d_rows, d_cols = [None] * len(rows), [None] * len(cols)
+        for i, d in zip(fr, d_fr):
+            d_rows[i] = d
+        for i, d in zip(fc, d_fc):
+            d_cols[i] = d
+        return ds_raw, d_rows, d_cols
+
+    return s, vjp
+
+
+def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked, rows, cols, n_srows, n_scols):
+    """P and dS (of the raw scores) of one tile, and the score_mod's row / column tile gradients.
+
+    ``lse`` / ``delta`` are already broadcast to the tile; ``valid`` the padding test.
+    """
+    srows, mrows = rows[:n_srows], rows[n_srows:]
+    scols, mcols = cols[:n_scols], cols[n_scols:]
+    vjp = None
+    if mods.score is not None:
+        s, vjp = _score_vjp(mods.score, s_raw, b, h, q_idx, kv_idx, srows, scols)
+    else:
+        s = s_raw
+    p = jnp.exp(s - lse)
+    if masked:
+        ok = valid
+        if mods.mask is not None:
+            ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx, _cast_back(mods.mask, mrows, mods.mask.rows),
+                                _cast_back(mods.mask, mcols, mods.mask.cols))
+        p = jnp.where(ok, p, 0.0)
+    ds = p * (dp - delta)
+    if vjp is None:
+        return p, ds, [None] * n_srows, [None] * n_scols
+    ds, d_rows, d_cols = vjp(ds)
+    return p, ds, d_rows, d_cols
+
+
+def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, delta, lists_q, lists_kv, rows, cols,
+             *, stages: int, interpret: bool):
+    """dQ, dK, dV (padded) and the score_mod's row / column gradients.
+
+    ``gq``: the dQ kernel's geometry (128 query rows per CTA, ``gq.tk`` keys per step);
+    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, 128 key rows per CTA); both with
+    the same padded lengths. ``lse`` / ``delta`` (B, Hq, sq) float32; ``do`` in q's dtype.
+    Returns ``(dq, dk, dv, d_rows, d_cols, ())``: per float score_mod row (B, Hq, sq, 1) and
+    column (B, Hq, 1, skv) float32, None for the others.
+    """
+    n_srows = len(mods.score.rows) if mods.score is not None else 0
+    n_scols = len(mods.score.cols) if mods.score is not None else 0
+    d_row_ids = [i for i in range(n_srows) if _is_float(rows[i])]
+    d_col_ids = [i for i in range(n_scols) if _is_float(cols[i])]
+    dq, *d_rows = _dq(gq, mods, scale, q, k, v, do, lse, delta, lists_q, rows, cols, d_row_ids, n_srows, n_scols,
+                      stages=stages, interpret=interpret)
+    dk, dv, *d_cols = _dkv(gk, mods, scale, q, k, v, do, lse, delta, lists_kv, rows, cols, d_col_ids, n_srows,
+                           n_scols, stages=stages, interpret=interpret)
+    it_r, it_c = iter(d_rows), iter(d_cols)
+    out_rows = tuple(next(it_r)[..., None] if i in d_row_ids else None for i in range(n_srows))
+    out_cols = tuple(next(it_c)[..., None, :] if i in d_col_ids else None for i in range(n_scols))
+    return dq, dk, dv, out_rows, out_cols, ()
+
+
+def _call(kernel, out_type, scratch, grid, names, interpret):
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
+                        num_threads=CONSUMERS + 1, thread_name="wg",
+                        interpret=_interpret_params() if interpret else None)
+
+
+def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_ids, n_srows, n_scols, *,
+        stages, interpret):
+    """dQ: per CTA 128 query rows (two consumers of 64) over the row's kv tiles; the producer
+    streams K^T, V^T (for S and dP) and K (for dS K) through the ring."""
+    B, Hq, D, tk = g.B, g.Hq, q.shape[-1], g.tk
+    dtype = q.dtype
+    n_rows, n_cols, n_dr = len(rows), len(cols), len(d_row_ids)
+
+    def kernel(*refs):
+        it = iter(refs)
+        kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, q_ref, kt_ref, vt_ref, k_ref, do_ref, lse_ref, delta_ref = (
+            next(it) for _ in range(11))
+        row_refs = tuple(next(it) for _ in range(n_rows))
+        col_refs = tuple(next(it) for _ in range(n_cols))
+        dq_ref = next(it)
+        drow_refs = tuple(next(it) for _ in range(n_dr))
+        (q_smem, do_smem, ds_smem, kt_smem, vt_smem, k_smem, vec_smem, row_smem, col_smem), bars = next(it), next(it)
+        kt_bar, vt_bar, k_bar, q_bar, col_bar, kt_free, vt_free, k_free = bars
+        nb = 4 + n_rows
+        h, i, b = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
+        wg = lax.axis_index("wg")
+        kvh = _div(h, g.G)
+        walk = _Lists(kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, b if g.Bm > 1 else 0, h if g.Hm > 1 else 0,
+                      _div(i, g.sub_q), g.sub_k)
+
+        def rb(ref):
+            return ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, walk.n)
+            def _(t):
+                slot = _rem(t, stages)
+                ks = walk.tile(t) * tk
+                for src, dst, bar, free in ((kt_ref, kt_smem, kt_bar, kt_free), (vt_ref, vt_smem, vt_bar, vt_free)):
+                    @pl.when(t >= stages)
+                    def _(free=free):
+                        plgpu.barrier_wait(free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(src.at[b, kvh, :, pl.ds(ks, tk)], dst.at[slot], bar.at[slot])
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(ks, tk), kvh], k_smem.at[slot], k_bar.at[slot])
+                # Column values are read before the consumers release K's slot (the step's last).
+                for c, ref in enumerate(col_refs):
+                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot], col_bar.at[c * stages + slot])
+
+            _drain(walk.n, stages, kt_free, vt_free, k_free)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q0 = i * CTA_ROWS + wg * WG_ROWS
+            my_q, my_do, my_ds = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
+            sl = pl.ds(q0, WG_ROWS)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, sl, h], my_q, q_bar.at[wg * nb])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, sl, h], my_do, q_bar.at[wg * nb + 1])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, sl], vec_smem.at[wg, 0], q_bar.at[wg * nb + 2])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, sl], vec_smem.at[wg, 1], q_bar.at[wg * nb + 3])
+            for r, ref in enumerate(row_refs):
+                plgpu.copy_gmem_to_smem(rb(ref).at[sl], row_smem[r].at[wg], q_bar.at[wg * nb + 4 + r])
+            for r in range(nb):
+                plgpu.barrier_wait(q_bar.at[wg * nb + r])
+            shape = (WG_ROWS, tk)
+            lse_t = lax.broadcast_in_dim(_load(vec_smem.at[wg, 0], 0), shape, [0])
+            delta_t = lax.broadcast_in_dim(_load(vec_smem.at[wg, 1], 0), shape, [0])
+            q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            q_idx = jnp.minimum(q_iota, g.q_len - 1)
+            row_vals = [lax.broadcast_in_dim(_load(row_smem[r].at[wg], 0), shape, [0]) for r in range(n_rows)]
+
+            def step(masked):
+                def body(t, carry):
+                    dq, drs = carry
+                    slot = _rem(t, stages)
+                    ks = walk.tile(t) * tk
+                    plgpu.barrier_wait(kt_bar.at[slot])
+
+                    def mma_s(acc_ref):
+                        plgpu.wgmma(acc_ref, my_q, kt_smem.at[slot])
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(mma_s, plgpu.ACC(shape, jnp.float32)) * scale
+                    plgpu.barrier_arrive(kt_free.at[slot])
+                    plgpu.barrier_wait(vt_bar.at[slot])
+
+                    def mma_dp(acc_ref):
+                        plgpu.wgmma(acc_ref, my_do, vt_smem.at[slot])
+                        return acc_ref[...]
+
+                    dp = pl.run_scoped(mma_dp, plgpu.ACC(shape, jnp.float32))
+                    plgpu.barrier_arrive(vt_free.at[slot])
+                    kv_iota = ks + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
+                    col_vals = []
+                    for c in range(n_cols):
+                        plgpu.barrier_wait(col_bar.at[c * stages + slot])
+                        col_vals.append(lax.broadcast_in_dim(_load(col_smem[c].at[slot], 1), shape, [1]))
+                    valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
+                    _, ds, d_rows, _ = _tile_probs(mods, s, lse_t, delta_t, dp, b, h, q_idx, kv_idx, valid, masked,
+                                                   row_vals, col_vals, n_srows, n_scols)
+                    my_ds[...] = ds.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_wait(k_bar.at[slot])
+
+                    def mma_dq(acc_ref):
+                        plgpu.wgmma(acc_ref, my_ds, k_smem.at[slot])
+                        return acc_ref[...]
+
+                    dq = dq + pl.run_scoped(mma_dq, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    drs = tuple(a + d_rows[r].sum(axis=1) for a, r in zip(drs, d_row_ids))
+                    return dq, drs
+
+                return body
+
+            zero_row = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
+            carry = (plgpu.layout_cast(jnp.full((WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+                     tuple(zero_row for _ in d_row_ids))
+            carry = lax.fori_loop(0, walk.n_partial, step(True), carry)
+            dq, drs = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
+            my_q[...] = (dq * scale).astype(dtype)
+            for r, d in enumerate(drs):
+                vec_smem[wg, 2 + r] = d
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[b, sl, h])
+            for r, ref in enumerate(drow_refs):
+                plgpu.copy_smem_to_gmem(vec_smem.at[wg, 2 + r], ref.at[b, h, sl])
+            plgpu.wait_smem_to_gmem(0)
+
+    tr = _transforms(dtype)
+    scratch = (
+        (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, WG_ROWS, tk), dtype, transforms=tr),
+         plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
+         plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
+         plgpu.SMEM((stages, tk, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, 2 + n_dr, WG_ROWS), jnp.float32),
+         tuple(plgpu.SMEM((CONSUMERS, WG_ROWS), r.dtype) for r in rows),
+         tuple(plgpu.SMEM((stages, tk), c.dtype) for c in cols)),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=CONSUMERS * (4 + n_rows)),
+         plgpu.Barrier(num_barriers=max(n_cols, 1) * stages),
+         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)),
+    )
+    vec = jax.ShapeDtypeStruct((B, Hq, g.sq), jnp.float32)
+    out_type = (jax.ShapeDtypeStruct((B, g.sq, Hq, D), dtype), *(vec for _ in d_row_ids))
+    call = _call(kernel, out_type, scratch, (Hq, g.sq // CTA_ROWS, B), ("h", "q", "b"), interpret)
+    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 3, 1)
+    return call(*lists.by_q, q, kt, vt, k, do, lse, delta, *rows, *cols)
+
+
+def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
+         stages, interpret):
+    """dK, dV: per CTA 128 key rows (two consumers of 64) over the query heads of the GQA group
+    and each head's column of q tiles; the producer streams Q^T, dO^T (for S^T and dP^T), Q and
+    dO (for dS^T Q and P^T dO), lse, delta and the hoisted rows through the ring."""
+    B, Hq, Hkv, D, tq = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq
+    dtype = q.dtype
+    n_rows, n_cols, n_dc = len(rows), len(cols), len(d_col_ids)
+    q_n, q_i, fq_n, fq_i = lists.by_kv
+
+    def kernel(*refs):
+        it = iter(refs)
+        q_n_r, q_i_r, fq_n_r, fq_i_r, qt_ref, dot_ref, q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref = (
+            next(it) for _ in range(12))
+        row_refs = tuple(next(it) for _ in range(n_rows))
+        col_refs = tuple(next(it) for _ in range(n_cols))
+        dk_ref, dv_ref = next(it), next(it)
+        dcol_refs = tuple(next(it) for _ in range(n_dc))
+        (k_smem, v_smem, p_smem, ring, vec_ring, row_ring, col_smem, dcol_smem), bars = next(it), next(it)
+        qt_smem, dot_smem, q_smem, do_smem = ring
+        ring_bar, ring_free, vec_bar, kv_bar = bars
+        j, kvh, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+        wg = lax.axis_index("wg")
+        col = _div(j, g.sub_k)
+
+        def walk_of(h):
+            return _Lists(q_n_r, q_i_r, fq_n_r, fq_i_r, b if g.Bm > 1 else 0, h if g.Hm > 1 else 0, col, g.sub_q)
+
+        def rb(ref, h):
+            return ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
+
+        n_vec = 2 + n_rows
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def head(gi, t0):
+                h = kvh * g.G + gi
+                walk = walk_of(h)
+
+                @pl.loop(0, walk.n)
+                def _(u):
+                    t = t0 + u
+                    slot = _rem(t, stages)
+                    qs = walk.tile(u) * tq
+
+                    @pl.when(t >= stages)
+                    def _():
+                        plgpu.barrier_wait(ring_free.at[slot])
+
+                    for n, (src, dst) in enumerate(((qt_ref, qt_smem), (dot_ref, dot_smem))):
+                        plgpu.copy_gmem_to_smem(src.at[b, h, :, pl.ds(qs, tq)], dst.at[slot],
+                                                ring_bar.at[n * stages + slot])
+                    for n, (src, dst) in enumerate(((q_ref, q_smem), (do_ref, do_smem))):
+                        plgpu.copy_gmem_to_smem(src.at[b, pl.ds(qs, tq), h], dst.at[slot],
+                                                ring_bar.at[(2 + n) * stages + slot])
+                    vecs = (lse_ref.at[b, h], delta_ref.at[b, h]) + tuple(rb(r, h) for r in row_refs)
+                    for n, src in enumerate(vecs):
+                        plgpu.copy_gmem_to_smem(src.at[pl.ds(qs, tq)], vec_ring[n].at[slot],
+                                                vec_bar.at[n * stages + slot])
+
+                return t0 + walk.n
+
+            _drain(lax.fori_loop(0, g.G, head, jnp.int32(0)), stages, ring_free)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k0 = j * CTA_ROWS + wg * WG_ROWS
+            sl = pl.ds(k0, WG_ROWS)
+            my_k, my_v, my_p = k_smem.at[wg], v_smem.at[wg], p_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, sl, kvh], my_k, kv_bar.at[wg * 2])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, sl, kvh], my_v, kv_bar.at[wg * 2 + 1])
+            plgpu.barrier_wait(kv_bar.at[wg * 2])
+            plgpu.barrier_wait(kv_bar.at[wg * 2 + 1])
+            shape = (WG_ROWS, tq)
+            kv_iota = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
+            zero_col = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
+
+            def head(gi, carry):
+                dk, dv, t0 = carry
+                h = kvh * g.G + gi
+                walk = walk_of(h)
+                # Column values (per key) of this head: fixed over the head's walk.
+                col_vals = []
+                for c, ref in enumerate(col_refs):
+                    plgpu.copy_gmem_to_smem(rb(ref, h).at[sl], col_smem[c].at[wg], kv_bar.at[CONSUMERS * 2 + wg])
+                    plgpu.barrier_wait(kv_bar.at[CONSUMERS * 2 + wg])
+                    col_vals.append(lax.broadcast_in_dim(_load(col_smem[c].at[wg], 0), shape, [0]))
+
+                def step(masked):
+                    def body(u, c):
+                        dk, dv, dcs = c
+                        t = t0 + u
+                        slot = _rem(t, stages)
+                        qs = walk.tile(u) * tq
+                        for n in range(n_vec):
+                            plgpu.barrier_wait(vec_bar.at[n * stages + slot])
+                        lse_t = lax.broadcast_in_dim(_load(vec_ring[0].at[slot], 1), shape, [1])
+                        delta_t = lax.broadcast_in_dim(_load(vec_ring[1].at[slot], 1), shape, [1])
+                        row_vals = [lax.broadcast_in_dim(_load(vec_ring[2 + r].at[slot], 1), shape, [1])
+                                    for r in range(n_rows)]
+                        plgpu.barrier_wait(ring_bar.at[slot])
+
+                        def mma_st(acc_ref):
+                            plgpu.wgmma(acc_ref, my_k, qt_smem.at[slot])
+                            return acc_ref[...]
+
+                        st = pl.run_scoped(mma_st, plgpu.ACC(shape, jnp.float32)) * scale
+                        plgpu.barrier_wait(ring_bar.at[stages + slot])
+
+                        def mma_dpt(acc_ref):
+                            plgpu.wgmma(acc_ref, my_v, dot_smem.at[slot])
+                            return acc_ref[...]
+
+                        dpt = pl.run_scoped(mma_dpt, plgpu.ACC(shape, jnp.float32))
+                        q_iota = qs + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                        q_idx = jnp.minimum(q_iota, g.q_len - 1)
+                        valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
+                        pt, dst, _, d_cols = _tile_probs(mods, st, lse_t, delta_t, dpt, b, h, q_idx, kv_idx, valid,
+                                                         masked, row_vals, col_vals, n_srows, n_scols)
+                        my_p[...] = pt.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
+
+                        def mma_dv(acc_ref):
+                            plgpu.wgmma(acc_ref, my_p, do_smem.at[slot])
+                            return acc_ref[...]
+
+                        dv = dv + pl.run_scoped(mma_dv, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                        my_p[...] = dst.astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.barrier_wait(ring_bar.at[2 * stages + slot])
+
+                        def mma_dk(acc_ref):
+                            plgpu.wgmma(acc_ref, my_p, q_smem.at[slot])
+                            return acc_ref[...]
+
+                        dk = dk + pl.run_scoped(mma_dk, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                        plgpu.barrier_arrive(ring_free.at[slot])
+                        dcs = tuple(a + d_cols[c].sum(axis=1) for a, c in zip(dcs, d_col_ids))
+                        return dk, dv, dcs
+
+                    return body
+
+                c = (dk, dv, tuple(zero_col for _ in d_col_ids))
+                c = lax.fori_loop(0, walk.n_partial, step(True), c)
+                dk, dv, dcs = lax.fori_loop(walk.n_partial, walk.n, step(False), c)
+                for n, d in enumerate(dcs):
+                    dcol_smem[wg, n] = d
+                if dcs:
+                    plgpu.commit_smem()
+                    for n, ref in enumerate(dcol_refs):
+                        plgpu.copy_smem_to_gmem(dcol_smem.at[wg, n], ref.at[b, h, sl])
+                    plgpu.wait_smem_to_gmem(0)
+                return dk, dv, t0 + walk.n
+
+            zero = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv, _ = lax.fori_loop(0, g.G, head, (zero, zero, jnp.int32(0)))
+            my_k[...] = (dk * scale).astype(dtype)
+            my_v[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, sl, kvh])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, sl, kvh])
+            plgpu.wait_smem_to_gmem(0)
+
+    tr = _transforms(dtype)
+    vec_dtypes = (jnp.float32, jnp.float32) + tuple(r.dtype for r in rows)
+    scratch = (
+        (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, WG_ROWS, tq), dtype, transforms=tr),
+         (plgpu.SMEM((stages, D, tq), dtype, transforms=tr), plgpu.SMEM((stages, D, tq), dtype, transforms=tr),
+          plgpu.SMEM((stages, tq, D), dtype, transforms=tr), plgpu.SMEM((stages, tq, D), dtype, transforms=tr)),
+         tuple(plgpu.SMEM((stages, tq), dt) for dt in vec_dtypes),
+         (),
+         tuple(plgpu.SMEM((CONSUMERS, WG_ROWS), c.dtype) for c in cols),
+         plgpu.SMEM((CONSUMERS, max(n_dc, 1), WG_ROWS), jnp.float32)),
+        (plgpu.Barrier(num_barriers=4 * stages),
+         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+         plgpu.Barrier(num_barriers=len(vec_dtypes) * stages),
+         plgpu.Barrier(num_barriers=CONSUMERS * 3)),
+    )
+    vec = jax.ShapeDtypeStruct((B, Hq, g.skv), jnp.float32)
+    out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
+                *(vec for _ in d_col_ids))
+    call = _call(kernel, out_type, scratch, (g.skv // CTA_ROWS, Hkv, B), ("k", "h", "b"), interpret)
+    qt, dot_ = q.transpose(0, 2, 3, 1), do.transpose(0, 2, 3, 1)
+    return call(q_n, q_i, fq_n, fq_i, qt, dot_, q, do, k, v, lse, delta, *rows, *cols)
+
+
+__all__ = ["forward", "backward", "WG_ROWS", "CTA_ROWS"]
