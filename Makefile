@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-compile bench lint clean wheel gpu-check-rehearsal
+.PHONY: demo test test-all test-compile bench lint docs clean wheel gpu-check-rehearsal example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	FLEXJAX_HYPOTHESIS=all $(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
+
+# The end-to-end example at a small size: examples/gpt.py for 40 steps (--check: exit 1 unless the loss is below
+# the unigram baseline and the paged decode's logits match jax.nn.dot_product_attention's), then
+# notebooks/07_gpt_end_to_end.ipynb at its small size (it asserts the same). About 1.5 minutes on 2 cores.
+example: $(STAMP)
+	$(PY) examples/gpt.py --steps 40 --new-tokens 24 --speed-lengths 256 --check
+	$(PY) -m pytest -q tests/test_notebooks.py -m slow -k 07_gpt_end_to_end
 
 # AOT compile suite (tests_compile/): its own venv, since the CUDA plugin it installs logs an
 # error at every `import jax` on a host without a GPU, which `make test` must not see.
@@ -70,7 +77,18 @@ gpu-check-rehearsal: $(if $(wildcard $(CPY)),,$(STAMP))
 # ruff pinned: a new release's rules would otherwise fail CI on unchanged code.
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff==0.17.6
-	$(VENV)/bin/ruff check flexjax tests tests_compile benchmarks notebooks
+	$(VENV)/bin/ruff check flexjax tests tests_compile benchmarks notebooks docs examples
+
+# The documentation site (docs/, Sphinx + MyST + myst-nb) into build/docs/index.html. Warnings are errors, and -E
+# rereads every page, so a warning in a page left unchanged since the last build still fails it.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -E -q -b html docs build/docs
+	@echo "docs: build/docs/index.html"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -11,7 +11,8 @@ signature) and computes the attention with ``flexjax.flex_attention``: ``mask`` 
 ``is_causal`` become a BlockMask (a causal mask skips the tiles above the diagonal), a
 ``bias`` a score_mod reading it. ``make_attention_fn(implementation=..., kernel_options=...)``
 binds a backend. ``FlexMultiHeadAttention`` is an NNX layer of its own that takes a score_mod,
-a mask_mod or a BlockMask, GQA, and a contiguous decode cache. Flax is an optional
+a mask_mod or a BlockMask, GQA, attention sinks, and a decode cache, contiguous or paged
+(``flexjax.paged``: a page pool, a page table and per-sequence lengths). Flax is an optional
 dependency (``pip install 'flexjax[flax]'``); importing this module needs it, ``import
 flexjax`` does not.
 
@@ -33,8 +34,10 @@ from collections.abc import Callable
 import flax  # noqa: F401  (the optional dependency this module stands on: fail at import without it)
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from . import paged
 from ._api import flex_attention
 from ._block_mask import BlockMask, block_mask_over_read_axes
 from ._drop_in import as_flex, check_implementation
@@ -100,29 +103,32 @@ attention_fn = make_attention_fn()
 
 
 
-def _check_room(start, T: int, S: int) -> None:
-    """Raises when T new positions from ``start`` do not fit a cache of S: eagerly at once,
-    under jit at run time through a host callback (a clamped write would be a silent wrong
+def _require(ok, fail, *args) -> None:
+    """Calls ``fail(*args)`` (which raises) where ``ok`` is False: eagerly at once, under jit at
+    run time through a host callback (a clamped or dropped cache write would be a silent wrong
     answer)."""
+    try:
+        ok = bool(ok)
+    except jax.errors.ConcretizationTypeError:  # traced (under jit)
+        jax.lax.cond(ok, lambda *a: None, lambda *a: jax.debug.callback(fail, *a), *args)
+        return
+    if not ok:
+        fail(*args)
+
+
+def _check_room(start, T: int, S: int) -> None:
+    """Raises when T new positions from ``start`` do not fit a contiguous cache of S."""
     def fail(at):
         raise ValueError(f"the decode cache holds {S} positions; writing {T} at position {int(at)} overflows it "
                          f"(init_cache with a larger max_length)")
 
     if T > S:
         fail(0)
-    try:
-        at = int(start)
-    except jax.errors.ConcretizationTypeError:  # traced (under jit)
-        pass
-    else:
-        if at + T > S:
-            fail(at)
-        return
-    jax.lax.cond(start + T > S, lambda s: jax.debug.callback(fail, s), lambda s: None, start)
+    _require(start + T <= S, fail, start)
 
 
 class FlexMultiHeadAttention(nnx.Module):
-    """Multi-head attention whose core is ``flexjax.flex_attention``, with mods, GQA and a decode cache.
+    """Multi-head attention whose core is ``flexjax.flex_attention``, with mods, GQA, sinks and a decode cache.
 
     Projections: query ``in_features -> num_heads * head_dim``, key and value ``->
     num_kv_heads * head_dim`` (GQA when ``num_kv_heads < num_heads``), output back to
@@ -134,7 +140,10 @@ class FlexMultiHeadAttention(nnx.Module):
       head_dim: default ``in_features // num_heads``.
       out_features: default ``in_features``.
       score_mod, mask_mod: the layer's own mods (a call's arguments take precedence); in
-        decode mode they see absolute positions (``q_idx`` counts from the cache's start).
+        decode mode they see absolute positions (``q_idx`` counts from the sequence's start).
+      num_sinks: learnable attention sinks per head (gpt-oss; ``flex_attention``'s ``sinks``):
+        logits, zero at initialization, that join every row's softmax normalizer without
+        adding a value (a parameter ``sinks`` of shape (num_heads, num_sinks)); 0: none.
       dropout_rate: on the attention probabilities, when ``deterministic`` is False (flexjax's
         keep mask; the call's ``rngs`` give the key).
       implementation, kernel_options: the flexjax backend (None: automatic) and its options.
@@ -144,15 +153,17 @@ class FlexMultiHeadAttention(nnx.Module):
 
     def __init__(self, num_heads: int, in_features: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, out_features: int | None = None, score_mod=None, mask_mod=None,
-                 dropout_rate: float = 0.0, deterministic: bool = True, implementation: str | None = None,
-                 kernel_options: dict | None = None, dtype=None, param_dtype=jnp.float32, use_bias: bool = False,
-                 rngs: nnx.Rngs):
+                 num_sinks: int = 0, dropout_rate: float = 0.0, deterministic: bool = True,
+                 implementation: str | None = None, kernel_options: dict | None = None, dtype=None,
+                 param_dtype=jnp.float32, use_bias: bool = False, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         head_dim = in_features // num_heads if head_dim is None else head_dim
         if head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {head_dim} (in_features // num_heads by default)")
+        if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) or num_sinks < 0:
+            raise ValueError(f"num_sinks must be an int >= 0, got {num_sinks!r}")
         check_implementation(implementation)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.score_mod, self.mask_mod = score_mod, mask_mod
@@ -164,15 +175,54 @@ class FlexMultiHeadAttention(nnx.Module):
         self.key = nnx.Linear(in_features, num_kv_heads * head_dim, **lin)
         self.value = nnx.Linear(in_features, num_kv_heads * head_dim, **lin)
         self.out = nnx.Linear(num_heads * head_dim, out_features or in_features, **lin)
+        self.sinks = nnx.Param(jnp.zeros((num_heads, num_sinks), param_dtype)) if num_sinks else nnx.data(None)
         # The decode cache's variables (init_cache fills them): data, not static fields.
         self.cached_key, self.cached_value, self.cache_index = nnx.data(None), nnx.data(None), nnx.data(None)
+        self.page_table, self.free_pages = nnx.data(None), nnx.data(None)
 
-    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32):
-        """A contiguous decode cache of ``max_length`` positions (``nnx.Cache`` variables)."""
-        shape = (batch, max_length, self.num_kv_heads, self.head_dim)
-        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32, *, page_size: int | None = None,
+                   num_pages: int | None = None):
+        """A decode cache of ``max_length`` positions per sequence (``nnx.Cache`` variables; paged, whole pages).
+
+        Contiguous (``page_size=None``): ``cached_key`` and ``cached_value`` are
+        ``(batch, max_length, num_kv_heads, head_dim)`` and ``cache_index`` the position the
+        next call writes at, one scalar for every sequence.
+
+        Paged (``page_size`` given; ``flexjax.paged``): ``cached_key`` and ``cached_value`` are
+        page pools ``(num_pages, page_size, num_kv_heads, head_dim)``; ``page_table`` int32
+        ``(batch, ceil(max_length / page_size))`` maps each sequence's logical pages to pool
+        pages (-1 until assigned), ``free_pages`` bool ``(num_pages,)`` marks the free ones, and
+        ``cache_index`` int32 ``(batch,)`` holds each sequence's length. A decode call takes
+        pages from the pool as the sequences grow (``flexjax.paged.reserve``), so a pool smaller
+        than the default ``batch * ceil(max_length / page_size)`` pages serves sequences of
+        unequal lengths; ``release_cache`` gives a finished sequence's pages back.
+        """
+        shape_tail = (self.num_kv_heads, self.head_dim)
+        if page_size is None:
+            if num_pages is not None:
+                raise ValueError("num_pages is for a paged cache: pass page_size too")
+            self.cached_key = nnx.Cache(jnp.zeros((batch, max_length) + shape_tail, dtype))
+            self.cached_value = nnx.Cache(jnp.zeros((batch, max_length) + shape_tail, dtype))
+            self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+            self.page_table, self.free_pages = nnx.data(None), nnx.data(None)
+            return
+        max_pages = -(-max_length // page_size)
+        num_pages = batch * max_pages if num_pages is None else num_pages
+        k_pages, v_pages = paged.allocate(num_pages, page_size, *shape_tail, dtype=dtype)
+        self.cached_key, self.cached_value = nnx.Cache(k_pages), nnx.Cache(v_pages)
+        self.cache_index = nnx.Cache(jnp.zeros((batch,), jnp.int32))
+        self.page_table = nnx.Cache(jnp.full((batch, max_pages), -1, jnp.int32))
+        self.free_pages = nnx.Cache(jnp.ones((num_pages,), jnp.bool_))
+
+    def release_cache(self, done: jax.Array):
+        """Frees the pages of the sequences where ``done`` (bool ``(batch,)``) is True and sets
+        their lengths to 0, so that their rows start new sequences at the next decode call
+        (paged cache; jit-able)."""
+        if self.page_table is None:
+            raise ValueError("release_cache needs a paged cache: init_cache(batch, max_length, page_size=...)")
+        done = jnp.asarray(done)
+        self.page_table[...], self.free_pages[...] = paged.release(self.page_table[...], self.free_pages[...], done)
+        self.cache_index[...] = jnp.where(done, 0, self.cache_index[...])
 
     def __call__(self, x: jax.Array, *, block_mask: BlockMask | None = None, score_mod=None, mask_mod=None,
                  decode: bool = False, deterministic: bool | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -180,7 +230,8 @@ class FlexMultiHeadAttention(nnx.Module):
 
         ``block_mask`` (for (length, length)) or a ``mask_mod`` (the call's, else the layer's)
         masks the pairs; ``decode=True`` appends this call's keys and values to the cache at
-        its index and attends over the cache's filled part, causally by absolute position.
+        each sequence's position and attends over the cache's filled part, causally by
+        absolute position. A write past the cache (or, paged, past the pool) raises.
         """
         B, T, _ = x.shape
         q = self.query(x).reshape(B, T, self.num_heads, self.head_dim)
@@ -193,34 +244,70 @@ class FlexMultiHeadAttention(nnx.Module):
         if rate > 0.0 and rngs is None:
             raise ValueError("FlexMultiHeadAttention needs rngs (with a 'dropout' stream) when dropout is active")
         dropout_rng = rngs.dropout() if rate > 0.0 else None
-        if decode:
-            if self.cache_index is None:
-                raise ValueError("decode=True needs a cache: call init_cache(batch, max_length) first")
-            if block_mask is not None:
-                raise ValueError("decode=True builds its own mask from the cache index; pass a mask_mod, not a "
-                                 "block_mask")
-            start = self.cache_index[...]
-            S = self.cached_key.shape[1]
-            _check_room(start, T, S)
+        sinks = None if self.sinks is None else self.sinks[...]
+        attend = dict(dropout_rate=rate, dropout_rng=dropout_rng, sinks=sinks, backend=self.implementation,
+                      kernel_options=self.kernel_options)
+        if not decode:
+            if block_mask is None and mask_mod is not None:
+                block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, T)
+            out = flex_attention(q, k, v, score_mod, block_mask, **attend)
+            return self.out(out.reshape(B, T, self.num_heads * self.head_dim))
+        if self.cache_index is None:
+            raise ValueError("decode=True needs a cache: call init_cache(batch, max_length) first")
+        if block_mask is not None:
+            raise ValueError("decode=True builds its own mask from the cache index; pass a mask_mod, not a "
+                             "block_mask")
+        start = self.cache_index[...]
+        if self.page_table is None:
+            kv_len = self.cached_key.shape[1]
+            _check_room(start, T, kv_len)
             self.cached_key[...] = jax.lax.dynamic_update_slice(
                 self.cached_key[...], k.astype(self.cached_key.dtype), (0, start, 0, 0))
             self.cached_value[...] = jax.lax.dynamic_update_slice(
                 self.cached_value[...], v.astype(self.cached_value.dtype), (0, start, 0, 0))
-            self.cache_index[...] = start + T
+            position = lambda b, q_idx: start + q_idx
+            block_size = 128
+        else:
+            kv_len = self._paged_write(start, k, v)
+            position = lambda b, q_idx: start[b] + q_idx
+            block_size = (128, math.gcd(self.cached_key.shape[1], 128))  # a kv block divides the page
+        self.cache_index[...] = start + T
+        user_mask, user_score = mask_mod, score_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):  # causal by absolute position
+            ok = kv_idx <= position(b, q_idx)
+            return ok if user_mask is None else ok & user_mask(b, h, position(b, q_idx), kv_idx)
+
+        if user_score is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return user_score(score, b, h, position(b, q_idx), kv_idx)
+
+        block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, kv_len, block_size=block_size)
+        if self.page_table is None:
             k, v = self.cached_key[...].astype(q.dtype), self.cached_value[...].astype(q.dtype)
-            user_mask, user_score = mask_mod, score_mod
-
-            def mask_mod(b, h, q_idx, kv_idx):  # causal by absolute position
-                ok = kv_idx <= start + q_idx
-                return ok if user_mask is None else ok & user_mask(b, h, start + q_idx, kv_idx)
-
-            if user_score is not None:
-                def score_mod(score, b, h, q_idx, kv_idx):
-                    return user_score(score, b, h, start + q_idx, kv_idx)
-
-            block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, S)
-        elif block_mask is None and mask_mod is not None:
-            block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, T)
-        out = flex_attention(q, k, v, score_mod, block_mask, dropout_rate=rate, dropout_rng=dropout_rng,
-                             backend=self.implementation, kernel_options=self.kernel_options)
+            out = flex_attention(q, k, v, score_mod, block_mask, **attend)
+        else:
+            k_pages, v_pages = self.cached_key[...].astype(q.dtype), self.cached_value[...].astype(q.dtype)
+            out = paged.flex_attention(q, k_pages, v_pages, self.page_table[...], start + T, score_mod, block_mask,
+                                       **attend)
         return self.out(out.reshape(B, T, self.num_heads * self.head_dim))
+
+    def _paged_write(self, start, k, v) -> int:
+        """Reserves pages for T more tokens of every sequence (raising where the pages run out)
+        and writes them; returns the logical cache length ``max_pages * page_size``."""
+        T = k.shape[1]
+        num_pages, page_size = self.cached_key.shape[:2]
+        max_pages = self.page_table.shape[1]
+
+        def fail(at):
+            raise ValueError(f"the paged decode cache holds {max_pages * page_size} positions per sequence in a pool "
+                             f"of {num_pages} pages of {page_size}; writing {T} at positions "
+                             f"{np.asarray(at).tolist()} overflows it (init_cache with a larger max_length or "
+                             f"num_pages, or release_cache the finished sequences)")
+
+        table, free, ok = paged.reserve(self.page_table[...], self.free_pages[...], start + T, page_size)
+        _require(ok, fail, start)
+        self.page_table[...], self.free_pages[...] = table, free
+        self.cached_key[...], self.cached_value[...] = paged.write(self.cached_key[...], self.cached_value[...],
+                                                                  table, start, k, v)
+        return max_pages * page_size

@@ -189,3 +189,58 @@ def test_flex_layer_refusals():
     layer(_x()[:, :20], decode=True)
     with pytest.raises(Exception, match="overflows"):  # under jit: at run time, from a host callback
         nnx.jit(lambda m, x: m(x, decode=True))(layer, _x()[:, :8]).block_until_ready()
+
+
+# -- FlexMultiHeadAttention's paged decode cache (flexjax.paged) -------------------------------
+
+def _alibi_sinks_layer():
+    """GQA, causal, ALiBi (reads absolute positions in decode) and a learnable sink per head."""
+    layer = _layer(score_mod=flexjax.mods.alibi(N), num_sinks=1)
+    layer.sinks[...] = jnp.linspace(-1.0, 1.0, N)[:, None]
+    return layer
+
+
+def test_flex_layer_paged_decode_matches_contiguous_and_full_forward():
+    """Token by token (one compile a cache) through pages of 8 under nnx.jit."""
+    layer, x = _alibi_sinks_layer(), _x()
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = {}
+    for name, paging in (("contiguous", {}), ("paged", {"page_size": 8})):
+        layer.init_cache(B, T, **paging)
+        outs[name] = jnp.concatenate([step(layer, x[:, t:t + 1]) for t in range(T)], axis=1)
+    np.testing.assert_allclose(outs["paged"], outs["contiguous"], atol=1e-5)
+    np.testing.assert_allclose(outs["paged"], full, atol=3e-5)
+    np.testing.assert_array_equal(layer.cache_index[...], [T, T])
+    assert sorted(np.asarray(layer.page_table[...]).ravel().tolist()) == list(range(6))  # 3 pages of 8 each
+    assert not bool(layer.free_pages[...].any())
+
+
+def test_flex_layer_paged_cache_shares_its_pool_and_raises_past_it():
+    """A pool of 4 pages of 8 for two sequences of up to 24: full at 16 tokens each (a write
+    past it raises, at run time under jit, and leaves the cache as it was); releasing sequence 0
+    lets it start over beside sequence 1, each at its own position."""
+    layer, x = _alibi_sinks_layer(), _x()
+    fresh = jax.random.normal(jax.random.PRNGKey(5), (8, F))  # sequence 0's successor
+    forward = nnx.jit(lambda m, x: m(x))
+    full, full_fresh = forward(layer, x), forward(layer, x.at[0, :8].set(fresh))  # causal: [0, :8] is fresh's
+    layer.init_cache(B, T, page_size=8, num_pages=4)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    np.testing.assert_allclose(step(layer, x[:, :16]), full[:, :16], atol=3e-5)
+    with pytest.raises(Exception, match="overflows"):  # from a host callback
+        step(layer, x[:, 8:24]).block_until_ready()
+    np.testing.assert_array_equal(layer.cache_index[...], [16, 16])
+    layer.release_cache(jnp.array([True, False]))
+    np.testing.assert_array_equal(layer.cache_index[...], [0, 16])
+    got = step(layer, jnp.stack([fresh, x[1, 16:24]]))
+    np.testing.assert_allclose(got[0], full_fresh[0, :8], atol=3e-5)
+    np.testing.assert_allclose(got[1], full[1, 16:24], atol=3e-5)
+    with pytest.raises(Exception, match="overflows"):  # sequence 1 is at 24 of 24
+        step(layer, x[:, :8]).block_until_ready()
+    with pytest.raises(ValueError, match="paged cache"):
+        layer.init_cache(B, T)
+        layer.release_cache(jnp.array([True, False]))
+    with pytest.raises(ValueError, match="page_size"):
+        layer.init_cache(B, T, num_pages=4)
+    with pytest.raises(ValueError, match="num_sinks"):
+        _layer(num_sinks=-1)

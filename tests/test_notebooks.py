@@ -24,7 +24,7 @@ def test_notebooks_exist():
 
 
 # `make test` runs the performance plots (the lightest that reads BENCHMARKS-style JSON and
-# plots); `make test-all` every notebook, the quickstart included.
+# plots); `make test-all` every notebook, the quickstart included; `make example` the GPT (07).
 DEFAULT = ("04_performance.ipynb",)
 
 
