@@ -48,7 +48,7 @@ test-compile: $(CSTAMP)
 	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
 	$(CPY) tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md
 	$(CPY) tests_compile/decode_suite.py > tests_compile/last_decode_table.txt || (cat tests_compile/last_decode_table.txt; exit 1)
-	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m triton tests
+	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m 'triton or mosaic_gpu' tests
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

@@ -194,22 +194,29 @@ class BlockMask:
     must be applied) or full (every pair attends). Padding past ``Q_LEN``/``KV_LEN``
     counts as masked, so edge tiles with padding are at most partial.
 
-    Attributes (children of the pytree):
+    A pytree: the attributes below are its children. Static (the pytree's aux data):
+    ``seq_lengths = (Q_LEN, KV_LEN)``, ``block_size``, the traced mask_mod, and ``kv_band``:
+    the widest kv range (first to last non-empty tile of any q block, in positions), known
+    when the lists are concrete at construction (None when built under ``jit``); it stays
+    with the mask across ``jit`` boundaries so backends can pick tiles. B and H are 1 where
+    the mask broadcasts over that axis.
+
+    Attributes:
       kv_num_blocks: int32 (B, H, nQ), partial tiles per q block.
       kv_indices: int32 (B, H, nQ, W), their kv block indices, ascending (entries past a
         row's count are valid block indices, to be ignored); W is the most partial tiles
         of any q block when built eagerly (at least 1), nKV under ``jit``, or
         ``max_blocks_per_row`` when given.
-      full_kv_num_blocks, full_kv_indices: the same for full tiles, with their own width
-        (causal: 1 for the partial lists, nKV - 1 for the full ones).
-      q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transposed lists
-        (per kv block, its q blocks) that the dK/dV pass walks.
+      full_kv_num_blocks: int32 (B, H, nQ), full tiles per q block.
+      full_kv_indices: int32 (B, H, nQ, W), their kv block indices, as ``kv_indices``; built
+        eagerly without ``max_blocks_per_row``, each list has its own W (causal: 1 for the
+        partial lists, nKV - 1 for the full ones).
+      q_num_blocks: int32 (B, H, nKV), partial tiles per kv block: with the three below, the
+        transposed lists (per kv block, its q blocks) that the dK/dV pass walks.
+      q_indices: int32 (B, H, nKV, W), their q block indices, ascending.
+      full_q_num_blocks: int32 (B, H, nKV), full tiles per kv block.
+      full_q_indices: int32 (B, H, nKV, W), their q block indices, ascending.
       mask_consts: the arrays the mask_mod closes over.
-    Static: ``seq_lengths = (Q_LEN, KV_LEN)``, ``block_size``, the traced mask_mod, and
-    ``kv_band``: the widest kv range (first to last non-empty tile of any q block, in
-    positions), known when the lists are concrete at construction (None when built under
-    ``jit``); it stays with the mask across ``jit`` boundaries so backends can pick tiles.
-    B and H are 1 where the mask broadcasts over that axis.
     """
 
     def __init__(self, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
@@ -263,7 +270,7 @@ class BlockMask:
 
     @property
     def num_blocks(self) -> tuple[int, int]:
-        """(nQ, nKV): the number of q and kv blocks (the lists may be narrower than nKV)."""
+        """The number of q and kv blocks, (nQ, nKV) (the lists may be narrower than nKV)."""
         (q_len, kv_len), (bq, bkv) = self.seq_lengths, self.block_size
         return -(-q_len // bq), -(-kv_len // bkv)
 

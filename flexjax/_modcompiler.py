@@ -442,7 +442,9 @@ def _lowering_rules(target: str):
         from jax._src.pallas.mosaic_gpu import core as gpu_core
         from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
 
-        return {p.name for p in mgpu_lowering.mosaic_lowering_rules[gpu_core.LANExWG_SEMANTICS]}, frozenset()
+        # add_any (a cotangent sum in a mod's gradient): the kernels bind it as lax.add.
+        rules = {p.name for p in mgpu_lowering.mosaic_lowering_rules[gpu_core.LANExWG_SEMANTICS]}
+        return rules | {"add_any"}, frozenset()
     return None, frozenset()
 
 

@@ -1,5 +1,7 @@
 """Flax integration: an ``attention_fn`` for Flax's attention modules, and ``FlexMultiHeadAttention``.
 
+Flax's own modules take it as their ``attention_fn``::
+
     from flax import nnx
     import flexjax.flax
 
@@ -17,6 +19,7 @@ dependency (``pip install 'flexjax[flax]'``); importing this module needs it, ``
 flexjax`` does not.
 
 Where it differs from flax's function:
+
 - dropout uses flexjax's own keep mask (a hash of the rng, batch, head, query and key
   index, regenerated in the backward), independent per batch and head whatever
   ``broadcast_dropout`` says; the rate and the 1 / (1 - rate) scaling are flax's;

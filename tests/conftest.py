@@ -13,6 +13,11 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
+# Mosaic GPU's interpreter (the mosaic_gpu backend on a CPU host) runs each simulated warpgroup
+# as an XLA:CPU computation whose barrier waits block a thread of XLA:CPU's pool, which XLA sizes
+# by the machine's cores (NPROC overrides): with 2 cores the three warpgroups of a kernel starve it
+# and hang. Set before JAX starts its CPU client.
+os.environ.setdefault("NPROC", "16")
 
 import importlib.util  # noqa: E402
 

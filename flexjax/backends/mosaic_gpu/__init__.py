@@ -18,6 +18,7 @@ What it takes, and what it refuses with a reason that ``backend=None`` falls pas
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +151,10 @@ def supports(spec, q, k, v) -> str | None:
     if o.target == "cuda" and not o.interpret and o.compute_capability not in CAPABILITIES:
         return (f"the mosaic_gpu kernels are written for compute capability 9.0 (wgmma), got "
                 f"{o.compute_capability / 10:.1f}")
+    if o.interpret and _xla_cpu_threads() < _INTERPRETER_THREADS:
+        return (f"Mosaic GPU's interpreter needs at least {_INTERPRETER_THREADS} XLA:CPU threads (its simulated "
+                f"warpgroups block on barriers), and this host gives XLA {_xla_cpu_threads()}; set NPROC=16 in the "
+                "environment before JAX starts, or use backend='pallas' or 'xla' on CPU")
     reason = _tile_reason(spec, o)
     if reason is not None:
         return reason
@@ -158,6 +163,22 @@ def supports(spec, q, k, v) -> str | None:
     except NotImplementedError as e:
         return str(e)
     return None
+
+
+# XLA:CPU threads that Mosaic GPU's interpreter needs: each simulated warpgroup is a computation
+# whose barrier waits block one of XLA:CPU's pool threads (sized by the cores, or NPROC); with 2 the
+# three warpgroups of a kernel hung, with 4 they ran (tests/conftest.py sets NPROC=16).
+_INTERPRETER_THREADS = 4
+
+
+def _xla_cpu_threads() -> int:
+    nproc = os.environ.get("NPROC", "")
+    if nproc.isdigit() and int(nproc) > 0:
+        return int(nproc)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 FORWARD = (Implementation("warp_specialized", always),)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -183,7 +184,8 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(ks, tk), kvh], v_smem.at[slot], v_bar.at[slot])
                 # Column values are read before the consumers release V's slot.
                 for c, ref in enumerate(col_refs):
-                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot], col_bar.at[c * stages + slot])
+                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot],
+                                            col_bar.at[c * stages + slot])
 
             _drain(walk.n, stages, k_free, v_free)
 
@@ -321,6 +323,31 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def _without_add_any(fn, *args):
+    """``fn(*args)`` traced and replayed with ``add_any`` (the cotangent sum of a value used twice)
+    bound as ``lax.add``: Mosaic GPU has no lowering rule for it, and it is an elementwise add."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, jax.tree.leaves(args)))
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "add_any":
+            outs = [lax.add(*ins)]
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            # JAX 0.10 returns the params; older releases (subfuns, params).
+            subfuns, params = params if isinstance(params, tuple) else ((), params)
+            outs = eqn.primitive.bind(*subfuns, *ins, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), [read(v) for v in jaxpr.outvars])
+
+
 def _score_vjp(cm, s_raw, b, h, q_idx, kv_idx, rows, cols):
     """The score_mod on a tile and its VJP in the raw scores and the float hoisted tiles.
 
@@ -342,7 +369,7 @@ def _score_vjp(cm, s_raw, b, h, q_idx, kv_idx, rows, cols):
     s, pull = jax.vjp(f, s_raw, [rows[i] for i in fr], [cols[i] for i in fc])
 
     def vjp(ds):
-        ds_raw, d_fr, d_fc = pull(ds)
+        ds_raw, d_fr, d_fc = _without_add_any(pull, ds)
         d_rows, d_cols = [None] * len(rows), [None] * len(cols)
         for i, d in zip(fr, d_fr):
             d_rows[i] = d
@@ -459,7 +486,8 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                 plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(ks, tk), kvh], k_smem.at[slot], k_bar.at[slot])
                 # Column values are read before the consumers release K's slot (the step's last).
                 for c, ref in enumerate(col_refs):
-                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot], col_bar.at[c * stages + slot])
+                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot],
+                                            col_bar.at[c * stages + slot])
 
             _drain(walk.n, stages, kt_free, vt_free, k_free)
 
@@ -586,7 +614,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
         col_refs = tuple(next(it) for _ in range(n_cols))
         dk_ref, dv_ref = next(it), next(it)
         dcol_refs = tuple(next(it) for _ in range(n_dc))
-        (k_smem, v_smem, p_smem, ring, vec_ring, row_ring, col_smem, dcol_smem), bars = next(it), next(it)
+        (k_smem, v_smem, p_smem, ring, vec_ring, _, col_smem, dcol_smem), bars = next(it), next(it)
         qt_smem, dot_smem, q_smem, do_smem = ring
         ring_bar, ring_free, vec_bar, kv_bar = bars
         j, kvh, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")

@@ -1,0 +1,154 @@
+"""The mosaic_gpu backend on a CPU host: its kernels in Mosaic GPU's interpreter against the reference,
+its refusals, and its place in the GPU dispatch order.
+
+The interpreter simulates the kernels' three warpgroups, shared memory, TMA copies, barriers and
+wgmma (about 5 s for a forward and 10-20 s for a backward at these shapes on 2 cores), so
+``make test`` runs one catalog entry; the tests marked ``mosaic_gpu`` (every entry the backend
+takes, float16 and bfloat16, MHA / GQA / ragged lengths) run in ``make test-compile``. The
+kernels' sm_90a compiles are ``tests_compile/mosaic_gpu_suite.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from catalog import BY_NAME, CATALOG, build, check_case
+
+import flexjax
+from flexjax import backends, masks, mods
+
+# (B, Sq, Skv, Hq, Hkv, D, Dv): the kernels take head dims that are multiples of 64 and Dv = D.
+SHAPES = {
+    "mha": (1, 192, 192, 2, 2, 64, 64),
+    "gqa_ragged": (1, 130, 250, 4, 2, 64, 64),
+    "mqa_ragged": (1, 201, 97, 2, 1, 64, 64),
+    # make test's: one CTA of queries, two kv heads' worth of work in one.
+    "small_gqa_ragged": (1, 100, 120, 2, 1, 64, 64),
+}
+# Entries that gather from a captured table by q_idx and kv_idx together (relative bias, T5
+# buckets): refused (the kernels do not gather), served by triton.
+GATHERS = ("prefix_lm+relative_bias", "document+t5", "per_head_mask+relative_bias", "captured_scalars")
+TAKEN = [c.name for c in CATALOG if c.name not in GATHERS]
+# make test: one entry (GQA, ragged lengths, a score_mod reading h, a sliding window).
+DEFAULT = ("sliding_window+alibi", "small_gqa_ragged", jnp.bfloat16)
+
+
+def _grid():
+    shapes = [s for s in SHAPES if not s.startswith("small")]
+    out = [pytest.param(*DEFAULT, id="default-" + "-".join(map(str, DEFAULT[:2])))]
+    for n, name in enumerate(TAKEN):
+        for dtype in (jnp.bfloat16, jnp.float16):
+            shape = shapes[(n + (dtype == jnp.float16)) % len(shapes)]
+            case = (name, shape, dtype)
+            out.append(pytest.param(*case, id=f"{name}-{shape}-{jnp.dtype(dtype).name}",
+                                    marks=(pytest.mark.mosaic_gpu,)))
+    return out
+
+
+@pytest.mark.parametrize("name,shape,dtype", _grid())
+def test_catalog_in_the_interpreter(name, shape, dtype):
+    """out, lse, dq, dk, dv and the captured arrays' gradients against the float32 reference."""
+    check_case("mosaic_gpu", name, SHAPES[shape], dtype)
+
+
+def _qkv(shape=(1, 128, 2, 64), dtype=jnp.bfloat16, hkv=None):
+    B, S, H, D = shape
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    kv = (B, S, hkv or H, D)
+    return q, jax.random.normal(ks[1], kv, jnp.float32).astype(dtype), jax.random.normal(ks[2], kv).astype(dtype)
+
+
+@pytest.mark.mosaic_gpu
+def test_captured_row_and_column_grads():
+    """Gradients reach arrays the score_mod reads per query and per key (hoisted rows / columns)."""
+    q, k, v = _qkv()
+    S = q.shape[1]
+    rows = jax.random.normal(jax.random.PRNGKey(2), (S,))
+    cols = jax.random.normal(jax.random.PRNGKey(3), (2, S))
+    bm = flexjax.create_block_mask(masks.causal, None, None, S, S, block_size=64)
+
+    def loss(q, k, v, rows, cols, backend):
+        def sm(score, b, h, q_idx, kv_idx):
+            return score + rows[q_idx] * 0.3 + jnp.tanh(cols[h, kv_idx])
+        out = flexjax.flex_attention(q, k, v, score_mod=sm, block_mask=bm, backend=backend)
+        return jnp.sum(out.astype(jnp.float32) * jnp.linspace(-1, 1, q.shape[-1]))
+
+    got = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, rows, cols, "mosaic_gpu")
+    want = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q.astype(jnp.float32), k.astype(jnp.float32),
+                                                   v.astype(jnp.float32), rows, cols, "reference")
+    for name, g, w in zip(("dq", "dk", "dv", "drows", "dcols"), got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.abs(g - w).max() <= 3e-2 * max(np.abs(w).max(), 1.0), name
+
+
+# -- refusals (no kernel runs) --------------------------------------------------------------------
+
+def _reason(q, k, v, **kw):
+    with pytest.raises(NotImplementedError, match="backend 'mosaic_gpu' cannot serve this call") as e:
+        flexjax.flex_attention(q, k, v, backend="mosaic_gpu", **kw)
+    return str(e.value)
+
+
+def test_refuses_float32_with_the_reason():
+    q, k, v = _qkv(dtype=jnp.float32)
+    assert "16-bit" in _reason(q, k, v)
+
+
+def test_refuses_head_dims_not_multiple_of_64():
+    q, k, v = _qkv((1, 128, 2, 48))
+    assert "multiples of 64" in _reason(q, k, v)
+
+
+def test_refuses_gathers_by_both_indices():
+    q, k, v = _qkv()
+    table = jnp.zeros((2, 255))
+    reason = _reason(q, k, v, score_mod=mods.relative_bias(table))
+    assert "both q_idx and kv_idx" in reason and "triton" in reason
+
+
+def test_refuses_dropout():
+    q, k, v = _qkv()
+    assert "dropout" in _reason(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))
+
+
+def test_refuses_other_compute_capabilities():
+    q, k, v = _qkv()
+    reason = _reason(q, k, v, kernel_options={"target": "cuda", "compute_capability": 80})
+    assert "9.0" in reason
+
+
+def test_option_errors_name_the_key():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="num_stages"):
+        flexjax.flex_attention(q, k, v, backend="mosaic_gpu", kernel_options={"num_stages": 1})
+    assert "num_warps" in _reason(q, k, v, kernel_options={"num_warps": 4})
+
+
+def test_first_on_gpu():
+    assert "mosaic_gpu" in backends.available_backends()
+    for platform in ("gpu", "cuda"):
+        assert backends.platform_backends(platform) == ("mosaic_gpu", "triton", "pallas", "xla")
+
+
+def test_explain_names_the_kernels():
+    q, k, v = _qkv()
+    bm = flexjax.create_block_mask(masks.causal, None, None, 128, 128)
+    e = flexjax.explain(q, k, v, block_mask=bm, backend="mosaic_gpu")
+    assert (e.backend, e.forward, e.backward) == ("mosaic_gpu", "warp_specialized", "warp_specialized")
+
+
+def test_catalog_entries_taken_are_the_non_gathering_ones():
+    """The refusals' dividing line on the catalog: every entry is either taken or gathers."""
+    q, k, v = _qkv((1, 128, 2, 64))
+    for case in CATALOG:
+        bm_, params, _ = build(BY_NAME[case.name], (1, 128, 128, 2, 2, 64, 64))
+        score = case.score(params, 2, 128, 128) if case.score else None
+        try:
+            flexjax.explain(q, k, v, score_mod=score, block_mask=bm_, backend="mosaic_gpu")
+            taken = True
+        except NotImplementedError:
+            taken = False
+        assert taken == (case.name not in GATHERS), case.name
