@@ -44,10 +44,14 @@ $(CSTAMP): pyproject.toml
 # Then the triton backend's: every kernel compiled for sm_90 and sm_80 with the same resource checks
 # (triton_suite.py), and the tests marked `triton` (its generated mods and kernels under Triton's
 # interpreter against the reference, the conformance suite included, and its lowering for cuda).
+# The mosaic_gpu backend's: its kernels compiled for sm_90a with ptxas' registers and spills
+# (mosaic_gpu_suite.py, which also checks that sm_100a is refused), and the tests marked `mosaic_gpu`
+# (the catalog in Mosaic GPU's interpreter, about 6 minutes on 2 cores).
 test-compile: $(CSTAMP)
 	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
 	$(CPY) tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md
 	$(CPY) tests_compile/decode_suite.py > tests_compile/last_decode_table.txt || (cat tests_compile/last_decode_table.txt; exit 1)
+	$(CPY) tests_compile/mosaic_gpu_suite.py --out tests_compile/last_mosaic_gpu_table.md
 	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m 'triton or mosaic_gpu' tests
 
 bench: $(STAMP)

@@ -63,7 +63,7 @@ import flexjax  # noqa: E402
 from benchmarks.specs import FWD_BWD_FACTOR, FWD_FLOPS_PER_PAIR_PER_DIM, document_ids, unmasked_pairs  # noqa: E402
 
 SECTIONS = ("timing", "sparsity", "sweep")
-KERNELS = ("triton", "pallas")
+KERNELS = ("mosaic_gpu", "triton", "pallas")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 PASSES = ("fwd", "bwd")
 # The backward alone: forward + backward is 3.5x a forward (specs.py), the forward 1x.

@@ -57,7 +57,7 @@ import flexjax  # noqa: E402
 from flexjax import masks, mods  # noqa: E402
 
 CASES = ("causal", "alibi", "relative_bias", "sliding_window", "documents", "dropout")
-BACKENDS = ("pallas", "triton")
+BACKENDS = ("mosaic_gpu", "pallas", "triton")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 WINDOW = 1024
 DROPOUT = 0.1

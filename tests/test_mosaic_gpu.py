@@ -152,3 +152,73 @@ def test_catalog_entries_taken_are_the_non_gathering_ones():
         except NotImplementedError:
             taken = False
         assert taken == (case.name not in GATHERS), case.name
+
+
+# -- dispatch when lowering for a Hopper GPU from this CPU host -----------------------------------
+
+def _lower_for_h100(score_mod, grad: bool = False):
+    """Lowered text of a causal call with ``backend=None`` and the GPU's backend order, for cuda."""
+    import warnings
+
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    S = 256
+    bm = flexjax.create_block_mask(masks.causal, None, None, S, S)
+
+    def fwd(q, k, v):
+        return flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options={"target": "cuda"})
+
+    f = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if grad else fwd
+    q = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", 1, "cuda"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(f).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    return text, [str(w.message) for w in seen if "flexjax" in str(w.message)]
+
+
+def test_backend_none_picks_mosaic_gpu_on_hopper(monkeypatch):
+    from flexjax import _api
+
+    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    text, warned = _lower_for_h100(mods.soft_cap(20.0), grad=True)
+    assert "mosaic_gpu" in text and not warned
+    assert text.count("flexjax_mgpu_") >= 3 or text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
+
+
+def test_backend_none_falls_past_mosaic_gpu_for_a_gather(monkeypatch):
+    from flexjax import _api
+
+    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    text, warned = _lower_for_h100(mods.relative_bias(jnp.zeros((2, 511))))
+    assert any("'mosaic_gpu'" in w and "both q_idx and kv_idx" in w for w in warned), warned
+
+
+@pytest.mark.mosaic_gpu
+def test_sinks_and_auxiliary_outputs():
+    """Sinks and return_aux go through the library's shared epilogue: out, lse, max_scores and
+    the sinks' gradient as the reference gives them."""
+    q, k, v = _qkv()
+    S = q.shape[1]
+    sinks = jnp.asarray([0.5, -1.0])
+    bm = flexjax.create_block_mask(masks.causal, None, None, S, S, block_size=64)
+    aux = flexjax.AuxRequest(lse=True, max_scores=True)
+
+    def run(backend, q, k, v, sinks):
+        out, a = flexjax.flex_attention(q, k, v, score_mod=mods.soft_cap(5.0), block_mask=bm, sinks=sinks,
+                                        return_aux=aux, backend=backend)
+        return out, a
+
+    def loss(sinks, backend, q, k, v):
+        out, _ = run(backend, q, k, v, sinks)
+        return jnp.sum(out.astype(jnp.float32) * jnp.linspace(-1, 1, q.shape[-1]))
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (out, a), (ref, ra) = run("mosaic_gpu", q, k, v, sinks), run("reference", *f32, sinks)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(a.lse), np.asarray(ra.lse), atol=2e-2)
+    np.testing.assert_allclose(np.asarray(a.max_scores), np.asarray(ra.max_scores), atol=5e-2)
+    g = jax.grad(loss)(sinks, "mosaic_gpu", q, k, v)
+    gr = jax.grad(loss)(sinks, "reference", *f32)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=3e-2 * max(1.0, float(np.abs(gr).max())))

@@ -25,10 +25,10 @@ def _qkv(S=64):
     return q, q * 0.5, q * 0.25
 
 
-def test_triton_is_registered_and_first_on_gpu():
+def test_triton_is_registered_and_after_mosaic_gpu_on_gpu():
     assert "triton" in backends.available_backends()
     for platform in ("gpu", "cuda"):
-        assert backends.platform_backends(platform) == ("triton", "pallas", "xla")
+        assert backends.platform_backends(platform) == ("mosaic_gpu", "triton", "pallas", "xla")
     assert backends.platform_backends("tpu")[0] == "pallas"
     assert backends.platform_backends("cpu") == ("xla",)
     names = backends.kernel_option_names("triton")

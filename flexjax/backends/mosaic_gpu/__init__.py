@@ -8,7 +8,9 @@ of captured arrays) is the kernel backends' shared front end.
 
 What it takes, and what it refuses with a reason that ``backend=None`` falls past:
 - 16-bit inputs (float16, bfloat16): wgmma reads 16-bit tiles; float32 is refused;
-- head dims that are multiples of 64, up to 256, and the value head dim equal to it;
+- head dims that are multiples of 64 and the value head dim equal to it, where the three kernels'
+  shared memory fits an sm_90 block (``_kernels.smem_bytes``): 64 and 128 (at 192 and 256 the
+  backward's double-buffered Q, dO, Q^T and dO^T tiles do not);
 - mods that read captured arrays only through hoisted rows and columns (indexed by b, h
   and q_idx, or b, h and kv_idx) and scalars; a read indexed by both q_idx and kv_idx
   (a relative-position table) is a gather, which the kernels do not do;
@@ -51,10 +53,11 @@ class KernelOptions(KernelOptionsBase):
     """Options of the mosaic_gpu backend.
 
     Attributes (beyond ``target``, ``interpret`` and the tiles):
-      block_q, bwd_block_q: must be 128 in the forward and dQ (two consumer warpgroups of
-        64 query rows); ``bwd_block_q`` is the query tile the dK/dV kernel walks (64).
-      block_kv, bwd_block_kv: the key tile the forward and dQ walk (64 or 128); the dK/dV
-        kernel owns 128 key rows per CTA.
+      block_q: 128 (the forward's and dQ's CTA: two consumer warpgroups of 64 query rows).
+      block_kv: the key tile the forward walks (64 or 128; default 64).
+      bwd_block_kv: the key tile the dQ kernel walks (32, 64 or 128; default 32).
+      bwd_block_q: the query tile the dK/dV kernel walks (32 or 64; default 32); it owns 64
+        key rows per CTA.
       num_stages, bwd_num_stages: depth of the TMA ring (>= 2).
       compute_capability: the GPU to compile for (90); default the device's, 90 from a CPU host.
     """
@@ -82,11 +85,15 @@ def _host_target() -> str | None:
 
 
 def heuristics(head_dim: int, block_size) -> KernelOptions:
-    """Default tiles: 128 query rows per CTA; 128 keys per step up to D = 128 (64 above, for
-    shared memory: the ring of K and V tiles at D = 256 and 128 keys would not fit)."""
-    tk = 128 if head_dim <= 128 else 64
+    """Default tiles: 128 query rows per CTA, 64 keys per step (at 128 keys the forward's
+    (64, 128) float32 score tile pushed ptxas past the 168 registers a thread of a
+    three-warpgroup CTA has: 8-44 B spilled per thread on sm_90a at D = 64 and 128)."""
+    tk = 64
+    # Backward: 32-key steps in dQ and 32-query steps in dK/dV (tiles with a 64-byte swizzle).
+    # sm_90a, D = 128, sliding window + ALiBi (tests_compile/mosaic_gpu_suite.py): dQ spilled 140 B
+    # per thread at 64-key steps, none at 32; dK/dV 256 B at 64-query steps, 28 B at 32.
     return KernelOptions(target="cuda", interpret=False, block_q=_kernels.CTA_ROWS, block_kv=tk,
-                         bwd_block_q=_kernels.WG_ROWS, bwd_block_kv=64, num_stages=2, bwd_num_stages=2,
+                         bwd_block_q=32, bwd_block_kv=32, num_stages=2, bwd_num_stages=2,
                          compute_capability=90)
 
 
@@ -117,15 +124,16 @@ def validate_options(spec) -> None:
 def _tile_reason(spec, o: KernelOptions) -> str | None:
     if o.block_q != _kernels.CTA_ROWS:
         return f"the mosaic_gpu forward takes block_q={_kernels.CTA_ROWS} (two warpgroups of 64 rows), got {o.block_q}"
-    if o.bwd_block_q != _kernels.WG_ROWS:
-        return f"the mosaic_gpu dK/dV kernel walks bwd_block_q={_kernels.WG_ROWS}, got {o.bwd_block_q}"
-    for f in ("block_kv", "bwd_block_kv"):
-        if getattr(o, f) not in (64, 128):
-            return f"the mosaic_gpu kernels take {f} of 64 or 128, got {getattr(o, f)}"
+    if o.bwd_block_q not in (32, 64):
+        return f"the mosaic_gpu dK/dV kernel walks bwd_block_q of 32 or 64 queries, got {o.bwd_block_q}"
+    if o.block_kv not in (64, 128):
+        return f"the mosaic_gpu forward takes block_kv of 64 or 128, got {o.block_kv}"
+    if o.bwd_block_kv not in (32, 64, 128):
+        return f"the mosaic_gpu dQ kernel takes bwd_block_kv of 32, 64 or 128, got {o.bwd_block_kv}"
     bq, bk = spec.block_size
     for tile, base, what in ((o.block_q, bq, "block_q"), (o.bwd_block_q, bq, "bwd_block_q"),
                              (o.block_kv, bk, "block_kv"), (o.bwd_block_kv, bk, "bwd_block_kv"),
-                             (_kernels.CTA_ROWS, bk, "the dK/dV kernel's 128 key rows")):
+                             (_kernels.DKV_ROWS, bk, f"the dK/dV kernel's {_kernels.DKV_ROWS} key rows")):
         if tile % base and base % tile:
             return (f"{what} ({tile}) must divide the BlockMask's block ({base}) or be a multiple of it; rebuild "
                     "the BlockMask with a power-of-two block_size")
@@ -158,6 +166,14 @@ def supports(spec, q, k, v) -> str | None:
     reason = _tile_reason(spec, o)
     if reason is not None:
         return reason
+    smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages)
+    smem_bwd = _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages)
+    for kernel, need in (("forward", smem["fwd"]), ("dQ", smem_bwd["dq"]), ("dK/dV", smem_bwd["dkv"])):
+        if need > _kernels.SMEM_LIMIT:
+            return (f"the mosaic_gpu {kernel} kernel needs {need // 1024} KiB of shared memory at head dim {D} "
+                    f"(tiles block_kv={o.block_kv}, bwd_block_kv={o.bwd_block_kv}, stages {o.num_stages}/"
+                    f"{o.bwd_num_stages}), over the {_kernels.SMEM_LIMIT // 1024} KiB an sm_90 block has; head dims "
+                    "64 and 128 fit, or use backend='triton'")
     try:
         _mods(spec)
     except NotImplementedError as e:
@@ -214,10 +230,10 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """dq, dk, dv and the score_mod's captured-array gradients (through the prologue's VJP)."""
     o = _resolve(spec, q.shape[-1])
     mods = _mods(spec)
-    # dQ walks (128 query rows, bwd_block_kv keys) tiles, dK/dV (bwd_block_q, 128 key rows): both
+    # dQ walks (128 query rows, bwd_block_kv keys) tiles, dK/dV (bwd_block_q, 64 key rows): both
     # pad to the larger of their sequence lengths, with the lists regrouped for each.
     gq, lists_q = geometry(spec, q, k, lists, _kernels.CTA_ROWS, o.bwd_block_kv)
-    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.CTA_ROWS)
+    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.DKV_ROWS)
     sq, skv = max(gq.sq, gk.sq), max(gq.skv, gk.skv)
     g, gk = dataclasses.replace(gq, sq=sq, skv=skv), dataclasses.replace(gk, sq=sq, skv=skv)
     qp, kp, vp = pad_axis(q, 1, sq), pad_axis(k, 1, skv), pad_axis(v, 1, skv)

@@ -38,6 +38,12 @@ from .._layout import Geom, Mods
 WG_ROWS = 64
 CONSUMERS = 2
 CTA_ROWS = WG_ROWS * CONSUMERS
+# The dK/dV kernel: one consumer warpgroup (64 key rows) and the producer. Its dK and dV
+# accumulators (2 x 64 x D float32) with the S^T and dP^T tiles need more registers than a
+# thread of a three-warpgroup CTA gets (ptxas caps those at 168: at D = 128 the two-consumer
+# form spilled 424 B per thread on sm_90a); two warpgroups leave each thread 255.
+DKV_CONSUMERS = 1
+DKV_ROWS = WG_ROWS * DKV_CONSUMERS
 
 
 @functools.cache
@@ -61,9 +67,11 @@ def _load(ref, axis_kept: int):
     return plgpu.layout_cast(ref[...], _layout(axis_kept))
 
 
-def _transforms(dtype):
-    """Shared-memory layout of a 16-bit (rows, 64k) tile that wgmma reads: (8, 64) tiles, 128-byte swizzle."""
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def _transforms(dtype, minor: int = 64):
+    """Shared-memory layout of a 16-bit (rows, n) tile that wgmma reads: (8, 64) tiles with a
+    128-byte swizzle when n is a multiple of 64, (8, 32) tiles with a 64-byte one for n = 32."""
+    width = 64 if minor % 64 == 0 else 32
+    return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width * 2))
 
 
 def _div(x, n: int):
@@ -89,15 +97,16 @@ class _Lists:
         self.bm, self.hm, self.row, self.sub = bm, hm, row, sub
         self.n_partial = n_ref[bm, hm, row] * sub
         self.n = self.n_partial + fn_ref[bm, hm, row] * sub
-        self.cols = idx_ref.shape[-1]
-
     def tile(self, t):
         """The tile index (in kernel tiles) of step ``t`` of the walk (partial steps first)."""
         full = t >= self.n_partial
         u = jnp.where(full, t - self.n_partial, t)
-        e = jnp.minimum(_div(u, self.sub), self.cols - 1)
-        entry = jnp.where(full, self.fidx_ref[self.bm, self.hm, self.row, e],
-                          self.idx_ref[self.bm, self.hm, self.row, e])
+        # Both lists are read (a select, not a branch), each at an entry clamped to its own width.
+        e = _div(u, self.sub)
+        ep = jnp.minimum(e, self.idx_ref.shape[-1] - 1)
+        ef = jnp.minimum(e, self.fidx_ref.shape[-1] - 1)
+        entry = jnp.where(full, self.fidx_ref[self.bm, self.hm, self.row, ef],
+                          self.idx_ref[self.bm, self.hm, self.row, ep])
         return entry * self.sub + _rem(u, self.sub)
 
 
@@ -109,6 +118,42 @@ def _drain(n, stages: int, *frees):
     def _(t):
         for free in frees:
             plgpu.barrier_wait(free.at[_rem(t, stages)])
+
+
+# Columns of an output accumulator per MMA: each wgmma that adds to a (64, D) accumulator runs
+# on (64, 64) slices of it, so the fresh accumulator it writes (added in registers, see the
+# module docstring) holds 32 registers per thread, not D / 2.
+CHUNK = 64
+
+
+def _zeros(D: int, chunk: int = CHUNK):
+    return tuple(plgpu.layout_cast(jnp.full((WG_ROWS, chunk), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                 for _ in range(D // chunk))
+
+
+def _mma_add(accs, a_smem, b_ref, after=None):
+    """``accs[c] + a @ b[:, c * w:(c + 1) * w]`` for each chunk ``c`` of width ``w`` (the
+    accumulators'; ``b_ref``: (K, D) in shared memory)."""
+    out = []
+    for c, acc in enumerate(accs):
+        w = acc.shape[1]
+
+        def mma(acc_ref, c=c, w=w):
+            plgpu.wgmma(acc_ref, a_smem, b_ref.at[:, pl.ds(c * w, w)])
+            if after is not None and c == len(accs) - 1:
+                after()
+            return acc_ref[...]
+
+        out.append(acc + pl.run_scoped(mma, plgpu.ACC((WG_ROWS, w), jnp.float32)))
+    return tuple(out)
+
+
+def _store(ref, accs, scale=None):
+    """Writes the chunks ``accs`` (times the per-row ``scale``) into the (64, D) shared-memory ``ref``."""
+    for c, acc in enumerate(accs):
+        x = acc if scale is None else acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+        w = acc.shape[1]
+        ref.at[:, pl.ds(c * w, w)][...] = x.astype(ref.dtype)
 
 
 def _mod_tile(cm, score, b, h, q_idx, kv_idx, rows, cols):
@@ -200,12 +245,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
             shape = (WG_ROWS, tk)
-            q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            row_vals = tuple(
-                lax.broadcast_in_dim(_load(row_smem[r].at[wg], 0), shape, [0])
-                for r in range(n_rows))
-            q_valid = q_iota < g.q_len
-            q_idx = jnp.minimum(q_iota, g.q_len - 1)
+            # Per-row vectors stay vectors across the walk; the (64, tk) tiles made from them and
+            # the index tiles are formed in each step (held across it, they cost 32 registers each).
+            row_vecs = tuple(_load(row_smem[r].at[wg], 0) for r in range(n_rows))
 
             def sched_barrier():
                 plgpu.barrier_arrive(sched)
@@ -227,6 +269,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
                     s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * scale
                     plgpu.barrier_arrive(k_free.at[slot])
+                    q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    q_idx = jnp.minimum(q_iota, g.q_len - 1)
+                    row_vals = tuple(lax.broadcast_in_dim(x, shape, [0]) for x in row_vecs)
                     kv_iota = ks + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                     kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
                     col_vals = []
@@ -241,7 +286,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                                       _cast_back(mods.score, srows, mods.score.rows),
                                       _cast_back(mods.score, scols, mods.score.cols))
                     if masked:
-                        ok = q_valid & (kv_iota < g.kv_len)
+                        ok = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                         if mods.mask is not None:
                             ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx,
                                                 _cast_back(mods.mask, mrows, mods.mask.rows),
@@ -256,27 +301,21 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     plgpu.commit_smem()
                     plgpu.barrier_wait(v_bar.at[slot])
 
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
-                        sched_barrier()
-                        return acc_ref[...]
-
-                    o = pl.run_scoped(pv, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                    acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
+                    acc = _mma_add(acc, my_p, v_smem.at[slot], after=sched_barrier)
                     plgpu.barrier_arrive(v_free.at[slot])
-                    acc = acc * lax.broadcast_in_dim(alpha, (WG_ROWS, D), [0]) + o
                     return m_new, l, acc
 
                 return body
 
             m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), _layout(0))
             l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
-            acc = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, acc))
+            carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, _zeros(D)))
             m, l, acc = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
             pl.when(wg == 0)(sched_barrier)
             alive = l > 0
             inv = jnp.where(alive, 1.0 / jnp.where(alive, l, 1.0), 0.0)
-            my_q[...] = (acc * lax.broadcast_in_dim(inv, (WG_ROWS, D), [0])).astype(dtype)
+            _store(my_q, acc, inv)
             stat_smem[wg, 0] = jnp.where(alive, m, 0.0)
             stat_smem[wg, 1] = l
             plgpu.commit_smem()
@@ -311,6 +350,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         grid_names=("h", "q", "b"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
+        kernel_name="flexjax_mgpu_fwd",
         interpret=_interpret_params() if interpret else None,
     )
     return call(kv_n, kv_i, fkv_n, fkv_i, q, k.transpose(0, 2, 3, 1), v, *rows, *cols)
@@ -380,10 +420,13 @@ def _score_vjp(cm, s_raw, b, h, q_idx, kv_idx, rows, cols):
     return s, vjp
 
 
-def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked, rows, cols, n_srows, n_scols):
+def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked, rows, cols, n_srows, n_scols,
+                on_p=None):
     """P and dS (of the raw scores) of one tile, and the score_mod's row / column tile gradients.
 
-    ``lse`` / ``delta`` are already broadcast to the tile; ``valid`` the padding test.
+    ``lse`` / ``delta`` are already broadcast to the tile; ``valid`` the padding test. ``dp``:
+    dO V^T's tile, or a function that computes it, called after ``on_p(p)`` (the dK/dV kernel
+    runs its P^T dO there, so S^T and dP^T are not live together).
     """
     srows, mrows = rows[:n_srows], rows[n_srows:]
     scols, mcols = cols[:n_scols], cols[n_scols:]
@@ -399,7 +442,9 @@ def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked,
             ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx, _cast_back(mods.mask, mrows, mods.mask.rows),
                                 _cast_back(mods.mask, mcols, mods.mask.cols))
         p = jnp.where(ok, p, 0.0)
-    ds = p * (dp - delta)
+    if on_p is not None:
+        on_p(p)
+    ds = p * ((dp() if callable(dp) else dp) - delta)
     if vjp is None:
         return p, ds, [None] * n_srows, [None] * n_scols
     ds, d_rows, d_cols = vjp(ds)
@@ -411,7 +456,7 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
     """dQ, dK, dV (padded) and the score_mod's row / column gradients.
 
     ``gq``: the dQ kernel's geometry (128 query rows per CTA, ``gq.tk`` keys per step);
-    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, 128 key rows per CTA); both with
+    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``DKV_ROWS`` key rows per CTA); both with
     the same padded lengths. ``lse`` / ``delta`` (B, Hq, sq) float32; ``do`` in q's dtype.
     Returns ``(dq, dk, dv, d_rows, d_cols, ())``: per float score_mod row (B, Hq, sq, 1) and
     column (B, Hq, 1, skv) float32, None for the others.
@@ -430,9 +475,9 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
     return dq, dk, dv, out_rows, out_cols, ()
 
 
-def _call(kernel, out_type, scratch, grid, names, interpret):
+def _call(kernel, out_type, scratch, grid, names, interpret, name, consumers=CONSUMERS):
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
-                        num_threads=CONSUMERS + 1, thread_name="wg",
+                        num_threads=consumers + 1, thread_name="wg", kernel_name=name,
                         interpret=_interpret_params() if interpret else None)
 
 
@@ -506,11 +551,8 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
             shape = (WG_ROWS, tk)
-            lse_t = lax.broadcast_in_dim(_load(vec_smem.at[wg, 0], 0), shape, [0])
-            delta_t = lax.broadcast_in_dim(_load(vec_smem.at[wg, 1], 0), shape, [0])
-            q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            q_idx = jnp.minimum(q_iota, g.q_len - 1)
-            row_vals = [lax.broadcast_in_dim(_load(row_smem[r].at[wg], 0), shape, [0]) for r in range(n_rows)]
+            lse_v, delta_v = _load(vec_smem.at[wg, 0], 0), _load(vec_smem.at[wg, 1], 0)
+            row_vecs = [_load(row_smem[r].at[wg], 0) for r in range(n_rows)]
 
             def step(masked):
                 def body(t, carry):
@@ -533,6 +575,11 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
 
                     dp = pl.run_scoped(mma_dp, plgpu.ACC(shape, jnp.float32))
                     plgpu.barrier_arrive(vt_free.at[slot])
+                    q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    q_idx = jnp.minimum(q_iota, g.q_len - 1)
+                    row_vals = [lax.broadcast_in_dim(x, shape, [0]) for x in row_vecs]
+                    lse_t = lax.broadcast_in_dim(lse_v, shape, [0])
+                    delta_t = lax.broadcast_in_dim(delta_v, shape, [0])
                     kv_iota = ks + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                     kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
                     col_vals = []
@@ -546,11 +593,7 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                     plgpu.commit_smem()
                     plgpu.barrier_wait(k_bar.at[slot])
 
-                    def mma_dq(acc_ref):
-                        plgpu.wgmma(acc_ref, my_ds, k_smem.at[slot])
-                        return acc_ref[...]
-
-                    dq = dq + pl.run_scoped(mma_dq, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                    dq = _mma_add(dq, my_ds, k_smem.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     drs = tuple(a + d_rows[r].sum(axis=1) for a, r in zip(drs, d_row_ids))
                     return dq, drs
@@ -558,11 +601,10 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                 return body
 
             zero_row = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
-            carry = (plgpu.layout_cast(jnp.full((WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-                     tuple(zero_row for _ in d_row_ids))
+            carry = (_zeros(D), tuple(zero_row for _ in d_row_ids))
             carry = lax.fori_loop(0, walk.n_partial, step(True), carry)
             dq, drs = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
-            my_q[...] = (dq * scale).astype(dtype)
+            _store(my_q, tuple(d * scale for d in dq))
             for r, d in enumerate(drs):
                 vec_smem[wg, 2 + r] = d
             plgpu.commit_smem()
@@ -571,7 +613,8 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                 plgpu.copy_smem_to_gmem(vec_smem.at[wg, 2 + r], ref.at[b, h, sl])
             plgpu.wait_smem_to_gmem(0)
 
-    tr = _transforms(dtype)
+    # One swizzle for every tile (wgmma takes both operands with the same): the key tile's.
+    tr = _transforms(dtype, tk)
     scratch = (
         (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
          plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
@@ -591,17 +634,19 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
     )
     vec = jax.ShapeDtypeStruct((B, Hq, g.sq), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, g.sq, Hq, D), dtype), *(vec for _ in d_row_ids))
-    call = _call(kernel, out_type, scratch, (Hq, g.sq // CTA_ROWS, B), ("h", "q", "b"), interpret)
+    call = _call(kernel, out_type, scratch, (Hq, g.sq // CTA_ROWS, B), ("h", "q", "b"), interpret,
+                 "flexjax_mgpu_dq")
     kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 3, 1)
     return call(*lists.by_q, q, kt, vt, k, do, lse, delta, *rows, *cols)
 
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
          stages, interpret):
-    """dK, dV: per CTA 128 key rows (two consumers of 64) over the query heads of the GQA group
+    """dK, dV: per CTA ``DKV_ROWS`` key rows (``DKV_CONSUMERS`` consumers of 64) over the query heads of the GQA group
     and each head's column of q tiles; the producer streams Q^T, dO^T (for S^T and dP^T), Q and
     dO (for dS^T Q and P^T dO), lse, delta and the hoisted rows through the ring."""
     B, Hq, Hkv, D, tq = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq
+    W = DKV_CONSUMERS
     dtype = q.dtype
     n_rows, n_cols, n_dc = len(rows), len(cols), len(d_col_ids)
     q_n, q_i, fq_n, fq_i = lists.by_kv
@@ -629,9 +674,10 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
 
         n_vec = 2 + n_rows
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when(wg == W)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            if W > 1:
+                plgpu.set_max_registers(40, action="decrease")
 
             def head(gi, t0):
                 h = kvh * g.G + gi
@@ -662,10 +708,11 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
 
             _drain(lax.fori_loop(0, g.G, head, jnp.int32(0)), stages, ring_free)
 
-        @pl.when(wg < CONSUMERS)
+        @pl.when(wg < W)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            k0 = j * CTA_ROWS + wg * WG_ROWS
+            if W > 1:
+                plgpu.set_max_registers(232, action="increase")
+            k0 = j * DKV_ROWS + wg * WG_ROWS
             sl = pl.ds(k0, WG_ROWS)
             my_k, my_v, my_p = k_smem.at[wg], v_smem.at[wg], p_smem.at[wg]
             plgpu.copy_gmem_to_smem(k_ref.at[b, sl, kvh], my_k, kv_bar.at[wg * 2])
@@ -673,8 +720,6 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
             plgpu.barrier_wait(kv_bar.at[wg * 2])
             plgpu.barrier_wait(kv_bar.at[wg * 2 + 1])
             shape = (WG_ROWS, tq)
-            kv_iota = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
             zero_col = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
 
             def head(gi, carry):
@@ -684,9 +729,9 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                 # Column values (per key) of this head: fixed over the head's walk.
                 col_vals = []
                 for c, ref in enumerate(col_refs):
-                    plgpu.copy_gmem_to_smem(rb(ref, h).at[sl], col_smem[c].at[wg], kv_bar.at[CONSUMERS * 2 + wg])
-                    plgpu.barrier_wait(kv_bar.at[CONSUMERS * 2 + wg])
-                    col_vals.append(lax.broadcast_in_dim(_load(col_smem[c].at[wg], 0), shape, [0]))
+                    plgpu.copy_gmem_to_smem(rb(ref, h).at[sl], col_smem[c].at[wg], kv_bar.at[W * 2 + wg])
+                    plgpu.barrier_wait(kv_bar.at[W * 2 + wg])
+                    col_vals.append(_load(col_smem[c].at[wg], 0))
 
                 def step(masked):
                     def body(u, c):
@@ -694,12 +739,6 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         t = t0 + u
                         slot = _rem(t, stages)
                         qs = walk.tile(u) * tq
-                        for n in range(n_vec):
-                            plgpu.barrier_wait(vec_bar.at[n * stages + slot])
-                        lse_t = lax.broadcast_in_dim(_load(vec_ring[0].at[slot], 1), shape, [1])
-                        delta_t = lax.broadcast_in_dim(_load(vec_ring[1].at[slot], 1), shape, [1])
-                        row_vals = [lax.broadcast_in_dim(_load(vec_ring[2 + r].at[slot], 1), shape, [1])
-                                    for r in range(n_rows)]
                         plgpu.barrier_wait(ring_bar.at[slot])
 
                         def mma_st(acc_ref):
@@ -714,29 +753,30 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                             return acc_ref[...]
 
                         dpt = pl.run_scoped(mma_dpt, plgpu.ACC(shape, jnp.float32))
+                        for n in range(n_vec):
+                            plgpu.barrier_wait(vec_bar.at[n * stages + slot])
+                        lse_t = lax.broadcast_in_dim(_load(vec_ring[0].at[slot], 1), shape, [1])
+                        delta_t = lax.broadcast_in_dim(_load(vec_ring[1].at[slot], 1), shape, [1])
+                        row_vals = [lax.broadcast_in_dim(_load(vec_ring[2 + r].at[slot], 1), shape, [1])
+                                    for r in range(n_rows)]
+                        col_tiles = [lax.broadcast_in_dim(x, shape, [0]) for x in col_vals]
+                        kv_iota = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                        kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
                         q_iota = qs + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                         q_idx = jnp.minimum(q_iota, g.q_len - 1)
                         valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                         pt, dst, _, d_cols = _tile_probs(mods, st, lse_t, delta_t, dpt, b, h, q_idx, kv_idx, valid,
-                                                         masked, row_vals, col_vals, n_srows, n_scols)
+                                                         masked, row_vals, col_tiles, n_srows, n_scols)
                         my_p[...] = pt.astype(dtype)
                         plgpu.commit_smem()
                         plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
 
-                        def mma_dv(acc_ref):
-                            plgpu.wgmma(acc_ref, my_p, do_smem.at[slot])
-                            return acc_ref[...]
-
-                        dv = dv + pl.run_scoped(mma_dv, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                        dv = _mma_add(dv, my_p, do_smem.at[slot])
                         my_p[...] = dst.astype(dtype)
                         plgpu.commit_smem()
                         plgpu.barrier_wait(ring_bar.at[2 * stages + slot])
 
-                        def mma_dk(acc_ref):
-                            plgpu.wgmma(acc_ref, my_p, q_smem.at[slot])
-                            return acc_ref[...]
-
-                        dk = dk + pl.run_scoped(mma_dk, plgpu.ACC((WG_ROWS, D), jnp.float32))
+                        dk = _mma_add(dk, my_p, q_smem.at[slot])
                         plgpu.barrier_arrive(ring_free.at[slot])
                         dcs = tuple(a + d_cols[c].sum(axis=1) for a, c in zip(dcs, d_col_ids))
                         return dk, dv, dcs
@@ -755,38 +795,60 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                     plgpu.wait_smem_to_gmem(0)
                 return dk, dv, t0 + walk.n
 
-            zero = plgpu.layout_cast(jnp.full((WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            dk, dv, _ = lax.fori_loop(0, g.G, head, (zero, zero, jnp.int32(0)))
-            my_k[...] = (dk * scale).astype(dtype)
-            my_v[...] = dv.astype(dtype)
+            # 64-column chunks (32 registers per fresh accumulator); 32 spilled more on sm_90a.
+            chunk = 64
+            dk, dv, _ = lax.fori_loop(0, g.G, head, (_zeros(D, chunk), _zeros(D, chunk), jnp.int32(0)))
+            _store(my_k, tuple(d * scale for d in dk))
+            _store(my_v, dv)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, sl, kvh])
             plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, sl, kvh])
             plgpu.wait_smem_to_gmem(0)
 
-    tr = _transforms(dtype)
+    # One swizzle for every tile (wgmma takes both operands with the same): the query tile's.
+    tr = tr_q = _transforms(dtype, tq)
     vec_dtypes = (jnp.float32, jnp.float32) + tuple(r.dtype for r in rows)
     scratch = (
-        (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, WG_ROWS, tq), dtype, transforms=tr),
-         (plgpu.SMEM((stages, D, tq), dtype, transforms=tr), plgpu.SMEM((stages, D, tq), dtype, transforms=tr),
+        (plgpu.SMEM((W, WG_ROWS, D), dtype, transforms=tr),
+         plgpu.SMEM((W, WG_ROWS, D), dtype, transforms=tr),
+         plgpu.SMEM((W, WG_ROWS, tq), dtype, transforms=tr_q),
+         (plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q), plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q),
           plgpu.SMEM((stages, tq, D), dtype, transforms=tr), plgpu.SMEM((stages, tq, D), dtype, transforms=tr)),
          tuple(plgpu.SMEM((stages, tq), dt) for dt in vec_dtypes),
          (),
-         tuple(plgpu.SMEM((CONSUMERS, WG_ROWS), c.dtype) for c in cols),
-         plgpu.SMEM((CONSUMERS, max(n_dc, 1), WG_ROWS), jnp.float32)),
+         tuple(plgpu.SMEM((W, WG_ROWS), c.dtype) for c in cols),
+         plgpu.SMEM((W, max(n_dc, 1), WG_ROWS), jnp.float32)),
         (plgpu.Barrier(num_barriers=4 * stages),
-         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=W, num_barriers=stages),
          plgpu.Barrier(num_barriers=len(vec_dtypes) * stages),
-         plgpu.Barrier(num_barriers=CONSUMERS * 3)),
+         plgpu.Barrier(num_barriers=W * 3)),
     )
     vec = jax.ShapeDtypeStruct((B, Hq, g.skv), jnp.float32)
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
                 *(vec for _ in d_col_ids))
-    call = _call(kernel, out_type, scratch, (g.skv // CTA_ROWS, Hkv, B), ("k", "h", "b"), interpret)
+    call = _call(kernel, out_type, scratch, (g.skv // DKV_ROWS, Hkv, B), ("k", "h", "b"), interpret,
+                 "flexjax_mgpu_dkv", consumers=W)
     qt, dot_ = q.transpose(0, 2, 3, 1), do.transpose(0, 2, 3, 1)
     return call(q_n, q_i, fq_n, fq_i, qt, dot_, q, do, k, v, lse, delta, *rows, *cols)
 
 
-__all__ = ["forward", "backward", "WG_ROWS", "CTA_ROWS"]
+def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2) -> dict[str, int]:
+    """Shared memory of each kernel, from its scratch (barriers and the few row/column vectors aside).
+
+    Each 16-bit tile is rounded up to 1 KiB (a 128-byte swizzle's alignment).
+    """
+    def tile(r, c, n=1):
+        return n * -(-(r * c * itemsize) // 1024) * 1024
+
+    fwd = tile(WG_ROWS, D, CONSUMERS) + 2 * tile(tk, D, stages) + tile(WG_ROWS, tk, CONSUMERS)
+    dq = 2 * tile(WG_ROWS, D, CONSUMERS) + tile(WG_ROWS, tk, CONSUMERS) + 3 * tile(tk, D, stages)
+    dkv = (2 * tile(WG_ROWS, D, DKV_CONSUMERS) + tile(WG_ROWS, tq_dkv, DKV_CONSUMERS)
+           + 4 * tile(tq_dkv, D, stages))
+    return {"fwd": fwd, "dq": dq, "dkv": dkv}
+
+
+# What an sm_90 block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200),
+# less 2 KiB for the barriers and the per-row vectors.
+SMEM_LIMIT = 232448 - 2048
+
+__all__ = ["forward", "backward", "smem_bytes", "SMEM_LIMIT", "WG_ROWS", "CTA_ROWS", "DKV_ROWS"]
