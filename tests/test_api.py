@@ -149,8 +149,8 @@ def test_errors_mods_and_options():
     _err(TypeError, "scale must be a Python float", q, k, v, scale=jnp.ones(2))
     _err(ValueError, "backend must be one of", q, k, v, backend="cuda")
     _err(TypeError, "kernel_options must be a dict", q, k, v, kernel_options=[1])
-    _err(ValueError, "'block_q' is taken by backend 'xla', 'pallas' and 'triton', not by backend='reference'", q, k, v,
-         backend="reference", kernel_options={"block_q": 1})
+    _err(ValueError, "'block_q' is taken by backend 'xla', 'pallas', 'triton' and 'mosaic_gpu', not by "
+         "backend='reference'", q, k, v, backend="reference", kernel_options={"block_q": 1})
 
 
 def _shape_changing(score, b, h, q_idx, kv_idx):

@@ -182,7 +182,8 @@ def test_kernel_options_typo_names_every_backends_keys():
     with pytest.raises(ValueError,
                        match=r"'num_warps' is taken by backend 'pallas' and 'triton', not by backend='xla'"):
         flex_attention(q, k, v, backend="xla", kernel_options={"num_warps": 4})
-    with pytest.raises(ValueError, match=r"'interpret' is taken by backend 'pallas' and 'triton', not by backend=None"):
+    with pytest.raises(ValueError, match=r"'interpret' is taken by backend 'pallas', 'triton' and 'mosaic_gpu', "
+                                         r"not by backend=None"):
         flex_attention(q, k, v, kernel_options={"interpret": True})
 
 

@@ -33,6 +33,8 @@ def test_packing():
     np.testing.assert_array_equal(batch["weights"] == 0, batch["targets"] == gpt.BOS)
 
 
+# `make example` (in CI) trains and checks the decode at a real size; make test-all runs this too.
+@pytest.mark.slow
 def test_train_step_lowers_the_loss():
     model = gpt.GPT(CFG, rngs=nnx.Rngs(0))
     optimizer = gpt.make_optimizer(model, 1e-2, 20)
@@ -42,6 +44,8 @@ def test_train_step_lowers_the_loss():
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
+# `make example` (in CI) trains and checks the decode at a real size; make test-all runs this too.
+@pytest.mark.slow
 def test_decoding_matches_the_forward_and_jax_nn():
     """Through the paged cache, token by token from BOS (one compile a path) past the window, against the
     same weights on jax.nn.dot_product_attention and against the training forward over the result."""

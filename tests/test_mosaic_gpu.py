@@ -124,7 +124,10 @@ def test_option_errors_name_the_key():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="num_stages"):
         flexjax.flex_attention(q, k, v, backend="mosaic_gpu", kernel_options={"num_stages": 1})
-    assert "num_warps" in _reason(q, k, v, kernel_options={"num_warps": 4})
+    # Three warpgroups per kernel: num_warps is not one of its keys.
+    with pytest.raises(ValueError, match="'num_warps' is taken by backend 'pallas' and 'triton', not by "
+                                         "backend='mosaic_gpu'"):
+        flexjax.flex_attention(q, k, v, backend="mosaic_gpu", kernel_options={"num_warps": 4})
 
 
 def test_first_on_gpu():
@@ -140,6 +143,7 @@ def test_explain_names_the_kernels():
     assert (e.backend, e.forward, e.backward) == ("mosaic_gpu", "warp_specialized", "warp_specialized")
 
 
+@pytest.mark.mosaic_gpu
 def test_catalog_entries_taken_are_the_non_gathering_ones():
     """The refusals' dividing line on the catalog: every entry is either taken or gathers."""
     q, k, v = _qkv((1, 128, 2, 64))

@@ -85,8 +85,9 @@ def test_platform_order():
     from flexjax.backends import platform_backends
 
     for platform in ("gpu", "cuda"):
-        # triton first where jax-triton imports (tests/test_triton_backend_dispatch.py), then pallas.
-        assert platform_backends(platform)[:2] == ("triton", "pallas")
+        # mosaic_gpu first (tests/test_mosaic_gpu.py), triton where jax-triton imports
+        # (tests/test_triton_backend_dispatch.py), then pallas.
+        assert platform_backends(platform)[:3] == ("mosaic_gpu", "triton", "pallas")
         assert platform_backends(platform)[-1] == "xla"
     assert platform_backends("tpu") == ("pallas", "xla")
     assert platform_backends("cpu") == ("xla",)

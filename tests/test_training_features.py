@@ -216,7 +216,9 @@ def test_dropout_argument_errors():
 
 # -- auxiliary outputs -------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend_kw", BACKENDS)
+# pallas in make test-all (make test's time budget); make test checks pallas' lse aux in
+# test_paged.py's test_sinks_and_aux_lse[pallas].
+@pytest.mark.parametrize("backend_kw", [BACKENDS[0], pytest.param(PALLAS, id="pallas", marks=pytest.mark.slow)])
 def test_max_scores_and_lse_aux(backend_kw):
     q, k, v, table = _inputs(4)
     out, aux = _flex(q, k, v, table, backend_kw, return_aux=flexjax.AuxRequest(lse=True, max_scores=True))

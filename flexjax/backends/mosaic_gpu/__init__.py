@@ -67,6 +67,8 @@ class KernelOptions(KernelOptionsBase):
 
 # num_warps does not apply: every kernel runs three warpgroups (a producer, two consumers).
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions) if "warps" not in f.name)
+# The kernel_options keys it takes (``backends.kernel_option_names``).
+OPTION_NAMES = _FIELDS
 
 
 def _device_capability() -> int | None:
