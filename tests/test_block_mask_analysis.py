@@ -115,9 +115,9 @@ PATHS = {"one_call": {}, "blocks": {"_SMALL_GRID": 0},
          "device_lists": {"_SMALL_GRID": 0, "_ANALYSIS_TILES": 8, "_DEVICE_LIST_ELEMENTS": 0}}
 
 
-# Three examples in the default suite (each builds and enumerates several masks); the
+# Two examples in the default suite (each builds and enumerates several masks); the
 # `all` profile of `make test-all` keeps its 50.
-@settings(deadline=None, max_examples=50 if os.environ.get("FLEXJAX_HYPOTHESIS") == "all" else 3)
+@settings(deadline=None, max_examples=50 if os.environ.get("FLEXJAX_HYPOTHESIS") == "all" else 2)
 @given(data=st.data(), S=st.sampled_from([96, 200]), bs=st.sampled_from([16, (16, 32)]),
        path=st.sampled_from(sorted(PATHS)))
 def test_analysis_matches_enumeration(data, S, bs, path):

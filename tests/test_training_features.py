@@ -276,6 +276,7 @@ def _dropout_case():
     return q, table, flex, dense
 
 
+@pytest.mark.slow  # make test-all: make test's budget (test_jvp_matches_dense checks the tangent pass, without dropout)
 def test_jvp_with_dropout_under_jit_and_vmap():
     q, table, flex, dense = _dropout_case()
     tq, tt = jax.random.normal(jax.random.key(1), q.shape), jax.random.normal(jax.random.key(2), table.shape)
