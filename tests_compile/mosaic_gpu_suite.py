@@ -182,6 +182,8 @@ def main(argv=None) -> int:
     except NotImplementedError as e:
         refusal = str(e)
     forced = None
+    print("sm_100a: compiling the wgmma kernels for sm_100a anyway, which must fail (MLIR prints why: "
+          "'nvvm.wgmma.fence.aligned' op is not supported on sm_100a)", flush=True)
     try:
         with tempfile.TemporaryDirectory() as dump:
             from flexjax.backends import mosaic_gpu as backend

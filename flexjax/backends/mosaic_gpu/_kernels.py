@@ -1,24 +1,27 @@
 """The Mosaic GPU kernels: a warp-specialized forward and a block-sparse backward (dQ, dK/dV).
 
-Every kernel is one CTA of three warpgroups (``plgpu.kernel(num_threads=3)``): warpgroup 2
-is the producer, which walks the CTA's row (or column) of the BlockMask's tile lists as
-scalars and issues TMA copies of the tiles the consumers need into a ring of ``stages``
-shared-memory slots; warpgroups 0 and 1 are consumers, each owning 64 rows (query rows in
-the forward and dQ, key rows in dK/dV) of the CTA's 128, running ``wgmma`` from shared
-memory with float32 accumulators in registers. A slot is refilled once both consumers have
-arrived on its "consumed" barrier. In the forward the consumers take turns on the tensor
-cores (the ping-pong schedule of FlashAttention-3: a two-arrival barrier around each pair
-of MMAs), so one warpgroup's softmax overlaps the other's MMAs.
+Every kernel is one CTA of warpgroups (``plgpu.kernel(num_threads=...)``): the last is the
+producer, which walks the CTA's row (or column) of the BlockMask's tile lists as scalars and
+issues TMA copies of the tiles the consumers need into a ring of ``stages`` shared-memory
+slots; the others are consumers, each owning 64 rows, running ``wgmma`` from shared memory
+with float32 accumulators in registers. A slot is refilled once every consumer has arrived on
+its "consumed" barrier. The forward and dQ have two consumers (64 query rows each, 128 per
+CTA); dK/dV one (64 key rows: see ``DKV_CONSUMERS``). In the forward the consumers take
+turns on the tensor cores (the ping-pong schedule of FlashAttention-3: a two-arrival barrier
+around each MMA), so one warpgroup's softmax overlaps the other's MMAs.
 
-The mods run on (64, tk) tiles in the WGMMA register layout: ``q_idx`` / ``kv_idx`` are
+The mods run on (64, n) tiles in the WGMMA register layout: ``q_idx`` / ``kv_idx`` are
 iotas, hoisted row values (per query) and column values (per key) are copied into shared
 memory by TMA and broadcast. Partial tiles apply the mask_mod and the padding test, full
 tiles neither. The same kernels run in Mosaic GPU's interpreter on a CPU host
 (``InterpretGPUParams``), which simulates the shared memory, barriers, TMA and wgmma.
 
-Accumulation across the list walk is in registers: every MMA writes a fresh accumulator
-(``run_scoped`` with ``plgpu.ACC``), which the kernel adds to its running value (one
-register add per element, the form Mosaic GPU's interpreter runs as it lowers).
+What the interpreter runs shaped three things. It has no ``run_state`` (an MMA into a
+pre-filled accumulator), so every MMA writes a fresh accumulator (``run_scoped`` with
+``plgpu.ACC``) that the kernel adds to its running value in registers (``_mma_add``, in
+64-column chunks). It takes no register operand, so P and dS are stored to shared memory
+before they multiply. It takes no transposed view of a shared-memory tile, so K^T, V^T, Q^T
+and dO^T are transposed in XLA before the kernels.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._layout import Geom, Mods
 
-# Rows of one consumer warpgroup (a wgmma's M); two consumers per CTA.
+# Rows of one consumer warpgroup (a wgmma's M); two consumers per CTA in the forward and dQ.
 WG_ROWS = 64
 CONSUMERS = 2
 CTA_ROWS = WG_ROWS * CONSUMERS
