@@ -136,7 +136,9 @@ def _assert_healed(result, bad: dict[Path, bytes]):
 
 # Rebuilding the kernel library takes g++ about 10 s: the kernel's case runs under `make test-all`
 # (test_failed_rebuild_runs_the_loops[kernel] checks by default that a bad kernel library is caught).
-@pytest.mark.parametrize("with_kernel", [pytest.param(True, marks=pytest.mark.slow), False],
+# Both in make test-all (make test's budget); make test keeps test_garbage_libraries_are_rebuilt.
+@pytest.mark.parametrize("with_kernel", [pytest.param(True, marks=pytest.mark.slow),
+                                         pytest.param(False, marks=pytest.mark.slow)],
                          ids=["kernel_and_mods", "mods"])
 def test_truncated_libraries_are_rebuilt(good_cache, tmp_path, with_kernel):
     """The kernel, every mod library and the precompiled header cut short (a full disk, a crash)."""
