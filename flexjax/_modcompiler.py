@@ -493,6 +493,16 @@ def compile_mod(mod: StaticMod, target: str) -> CompiledMod:
         return _compile_mod(mod, target)
 
 
+# Targets whose kernels cannot gather: what a read left in the kernel is told (after the primitive).
+_NO_GATHER = {
+    "tpu": (" other than through kv_idx - q_idx; Mosaic TPU cannot gather inside a kernel. Arrays indexed only by "
+            "b, h and q_idx, only by b, h and kv_idx, or only by b, h and an affine function of kv_idx - q_idx are "
+            "supported; use backend='xla' for this mod"),
+    "mosaic_gpu": (", a gather inside the kernel, which the mosaic_gpu kernels do not do. Arrays indexed only by "
+                   "b, h and q_idx, or only by b, h and kv_idx, are supported; backend='triton' serves this mod"),
+}
+
+
 def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
     # Shapes kept (erase=False): the prologue binds the hoisted nodes as JAX primitives again.
     ir = flatten(mod, _BACKEND[target], bake=True, erase=False)
@@ -542,18 +552,10 @@ def _compile_mod(mod: StaticMod, target: str) -> CompiledMod:
         if out not in hoisted:
             hoisted.append(out)
     for node, s in zip(nodes, side):
-        if s == "k" and node.prim.name in READS and target == "mosaic_gpu":
+        if s == "k" and node.prim.name in READS and target in _NO_GATHER:
             raise NotImplementedError(
                 f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
-                f"(primitive {node.prim.name!r}), a gather inside the kernel, which the mosaic_gpu kernels do not do. "
-                "Arrays indexed only by b, h and q_idx, or only by b, h and kv_idx, are supported; "
-                "backend='triton' serves this mod")
-        if s == "k" and node.prim.name in READS and target == "tpu":
-            raise NotImplementedError(
-                f"mod {mod.name!r} reads a captured array with indices that depend on both q_idx and kv_idx "
-                f"(primitive {node.prim.name!r}) other than through kv_idx - q_idx; Mosaic TPU cannot gather inside "
-                "a kernel. Arrays indexed only by b, h and q_idx, only by b, h and kv_idx, or only by b, h and "
-                "an affine function of kv_idx - q_idx are supported; use backend='xla' for this mod")
+                f"(primitive {node.prim.name!r}){_NO_GATHER[target]}")
         problem = read_problem(node) if s == "k" and node.prim.name in READS else None
         if problem is not None:
             raise NotImplementedError(f"mod {mod.name!r} {problem}; index the captured array with one integer per "
