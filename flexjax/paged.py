@@ -422,3 +422,7 @@ def _paged_jvp(name, spec, primals, tangents):
 
 
 _paged.defjvp(_paged_jvp, symbolic_zeros=True)
+
+
+# Mixed prefill / decode batches (continuous batching) over the same pools.
+from ._ragged import flex_attention_ragged, write_and_attend  # noqa: E402,F401

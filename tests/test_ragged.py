@@ -1,0 +1,204 @@
+"""flexjax.paged.flex_attention_ragged / write_and_attend: mixed prefill and decode batches
+over paged KV equal flex_attention run sequence by sequence on the gathered cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import assert_close
+
+import flexjax
+from flexjax import masks, paged
+
+HQ, HKV, D, PS, MAX_PAGES, NUM_PAGES = 4, 2, 16, 16, 6, 40
+# Sequences: a prefill chunk of 7 at length 40, two decode steps, a whole 33-token
+# prefill, an idle sequence (no new token); three rows of padding at the end.
+KV_LENS = np.array([40, 1, 70, 33, 5], np.int32)
+Q_LENS = np.array([7, 1, 1, 33, 0], np.int32)
+
+
+def _cu(q_lens):
+    return np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+
+def _setup(dtype=jnp.float32, seed=0, pad=3):
+    cu = _cu(Q_LENS)
+    table = paged.page_table_for(KV_LENS, PS, MAX_PAGES, num_pages=NUM_PAGES, seed=seed)
+    ks = jax.random.split(jax.random.key(seed), 4)
+    k_pages = jax.random.normal(ks[0], (NUM_PAGES, PS, HKV, D)).astype(dtype)
+    v_pages = jax.random.normal(ks[1], (NUM_PAGES, PS, HKV, D)).astype(dtype)
+    q = jax.random.normal(ks[2], (int(cu[-1]) + pad, HQ, D)).astype(dtype)
+    slopes = jax.random.uniform(ks[3], (HQ,), minval=0.05, maxval=0.3)
+    return cu, jnp.asarray(table), k_pages, v_pages, q, slopes
+
+
+def _alibi(slopes):
+    def alibi(s, b, h, q_idx, kv_idx):
+        return s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
+    return alibi
+
+
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 20)
+
+
+def _per_sequence(q, k_pages, v_pages, table, kv_lens, cu, score_mod, mask_mod, backend="reference"):
+    """flex_attention sequence by sequence on the gathered cache; (out (T, Hq, D), lse (Hq, T))."""
+    K, V = paged.gather(k_pages, table), paged.gather(v_pages, table)
+    outs = jnp.zeros(q.shape, q.dtype)
+    lses = jnp.full((HQ, q.shape[0]), -jnp.inf)
+    base = mask_mod or masks.causal
+    for i, n in enumerate(kv_lens):
+        ql = int(cu[i + 1] - cu[i])
+        if ql == 0:
+            continue
+        off = int(n) - ql
+
+        def mask(b, h, q_idx, kv_idx, i=i, off=off, n=n):
+            return base(i, h, q_idx + off, kv_idx) & (kv_idx < n)
+
+        def score(s, b, h, q_idx, kv_idx, i=i, off=off):
+            return score_mod(s, i, h, q_idx + off, kv_idx)
+
+        bm = flexjax.create_block_mask(mask, 1, None, ql, K.shape[1])
+        o, lse = flexjax.flex_attention(q[None, cu[i]:cu[i + 1]], K[i:i + 1], V[i:i + 1],
+                                        score_mod=None if score_mod is None else score, block_mask=bm,
+                                        return_lse=True, backend=backend)
+        outs = outs.at[cu[i]:cu[i + 1]].set(o[0])
+        lses = lses.at[:, cu[i]:cu[i + 1]].set(lse[0])
+    return outs, lses
+
+
+@pytest.mark.parametrize("backend,mask_name,dtype", [
+    ("xla", "causal", jnp.float32),
+    ("xla", "window", jnp.bfloat16),
+    ("pallas", "window", jnp.float32),
+    pytest.param("pallas", "causal", jnp.float16, marks=pytest.mark.slow),
+    pytest.param("xla", "causal", jnp.float16, marks=pytest.mark.slow),
+])
+def test_ragged_matches_per_sequence(backend, mask_name, dtype):
+    """Mixed chunk / decode / whole prefill / idle sequences, GQA, ALiBi in logical positions,
+    a random page table: out and lse equal the per-sequence reference, padding rows are 0
+    with lse -inf."""
+    cu, table, k_pages, v_pages, q, slopes = _setup(dtype)
+    mask = None if mask_name == "causal" else _window
+    got, aux = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, score_mod=_alibi(slopes),
+                                           mask_mod=mask, return_aux=flexjax.AuxRequest(lse=True), backend=backend)
+    assert got.shape == q.shape and got.dtype == dtype and aux.lse.shape == (HQ, q.shape[0])
+    f32 = [x.astype(jnp.float32) for x in (q, k_pages, v_pages)]
+    truth = _per_sequence(f32[0], f32[1], f32[2], table, KV_LENS, cu, _alibi(slopes), mask)
+    ref = _per_sequence(q, k_pages, v_pages, table, KV_LENS, cu, _alibi(slopes), mask)
+    assert_close("ragged", (got, aux.lse), truth, ref, dtype)
+    assert float(jnp.abs(got[cu[-1]:].astype(jnp.float32)).max()) == 0.0
+    assert bool(jnp.all(jnp.isneginf(aux.lse[:, cu[-1]:])))
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_ragged_gradients(backend):
+    """Gradients to the query and to the captured ALiBi slopes equal the per-sequence reference's."""
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    do = jax.random.normal(jax.random.key(7), q.shape)
+    live = (jnp.arange(q.shape[0]) < cu[-1])[:, None, None]
+
+    def loss_ragged(q, slopes):
+        o = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, score_mod=_alibi(slopes),
+                                        mask_mod=_window, backend=backend)
+        return jnp.sum(jnp.where(live, o * do, 0.0))
+
+    def loss_ref(q, slopes):
+        o, _ = _per_sequence(q, k_pages, v_pages, table, KV_LENS, cu, _alibi(slopes), _window)
+        return jnp.sum(jnp.where(live, o * do, 0.0))
+
+    got = jax.grad(loss_ragged, (0, 1))(q, slopes)
+    truth = jax.grad(loss_ref, (0, 1))(q, slopes)
+    assert_close("grads", got, truth, truth, jnp.float32)
+
+
+def test_ragged_reads_only_reachable_pages():
+    """Pages no query can reach (past a sliding window, or unassigned past a length) are
+    filled with NaN: a tile that read them would poison its rows."""
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    # Sequence 2 (length 70, one query at position 69, window 20): keys 0..49 are out of
+    # reach, so its pages 0 and 1 (keys 0..31) must not be read.
+    poisoned = np.asarray(table)[2, :2]
+    k_bad = k_pages.at[poisoned].set(jnp.nan)
+    v_bad = v_pages.at[poisoned].set(jnp.nan)
+    got = paged.flex_attention_ragged(q, k_bad, v_bad, table, KV_LENS, cu, mask_mod=_window)
+    want = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, mask_mod=_window)
+    rows = slice(int(cu[2]), int(cu[3]))
+    assert not bool(jnp.isnan(got[rows]).any())
+    np.testing.assert_allclose(np.asarray(got[rows]), np.asarray(want[rows]), rtol=0, atol=0)
+
+
+def test_ragged_mods_see_sequence_index():
+    """``b`` is the sequence: a per-sequence table read by b (a prefix length per sequence,
+    prefix-LM in logical positions) gives each sequence its own mask."""
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    prefix = jnp.asarray([10, 0, 60, 5, 0], jnp.int32)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix[b]) | (q_idx >= kv_idx)
+
+    got = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, mask_mod=prefix_lm)
+    truth, _ = _per_sequence(q, k_pages, v_pages, table, KV_LENS, cu, None, prefix_lm)
+    assert_close("prefix", got, truth, truth, jnp.float32)
+
+
+def test_ragged_one_compile_for_changing_mixes():
+    """cu_q_lens and kv_lengths traced: every mix up to the capacities runs the same executable."""
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    step = jax.jit(lambda q, lens, cu: paged.flex_attention_ragged(q, k_pages, v_pages, table, lens, cu))
+    for q_lens in ([3, 1, 1, 1, 0], [10, 0, 2, 28, 5], [0, 0, 0, 1, 1], list(Q_LENS)):
+        q_lens = np.array(q_lens, np.int32)
+        lens = np.maximum(KV_LENS, q_lens)
+        c = _cu(q_lens)
+        got = step(q, lens, c)
+        truth, _ = _per_sequence(q, k_pages, v_pages, table, lens, c, None, None)
+        assert_close(f"mix {q_lens.tolist()}", got, truth, truth, jnp.float32)
+    assert step._cache_size() == 1
+
+
+def test_write_and_attend_equals_write_then_attend():
+    """The fused call writes each new token at its logical position (dropping a token past
+    the sequence's pages and padding rows) and attends over the written pages."""
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    T = q.shape[0]
+    ks = jax.random.split(jax.random.key(3), 2)
+    k_new = jax.random.normal(ks[0], (T, HKV, D))
+    v_new = jax.random.normal(ks[1], (T, HKV, D))
+    # Sequence 1 loses its only page: its token (position 0) must be dropped, not written elsewhere.
+    table = table.at[1].set(-1)
+    out, k2, v2 = jax.jit(paged.write_and_attend)(q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu)
+    # The same write through paged.write, sequence by sequence.
+    k_ref, v_ref = k_pages, v_pages
+    for i in range(len(KV_LENS)):
+        n = int(cu[i + 1] - cu[i])
+        if n:
+            k_ref, v_ref = paged.write(k_ref, v_ref, table[i:i + 1], KV_LENS[i:i + 1] - n,
+                                       k_new[None, cu[i]:cu[i + 1]], v_new[None, cu[i]:cu[i + 1]])
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_ref))
+    keep = np.ones(len(KV_LENS), bool)
+    keep[1] = False
+    want = paged.flex_attention_ragged(q, k_ref, v_ref, jnp.maximum(table, 0), KV_LENS, cu)
+    for i in np.nonzero(keep)[0]:
+        np.testing.assert_allclose(np.asarray(out[cu[i]:cu[i + 1]]), np.asarray(want[cu[i]:cu[i + 1]]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_ragged_bad_input():
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    with pytest.raises(ValueError, match="query must be"):
+        paged.flex_attention_ragged(q[None], k_pages, v_pages, table, KV_LENS, cu)
+    with pytest.raises(ValueError, match="cu_q_lens must be"):
+        paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu[:-1])
+    with pytest.raises(ValueError, match="kv_lengths must be"):
+        paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS[:2], cu)
+    with pytest.raises(ValueError, match="q_len <= kv_lengths"):  # more new tokens than the sequence holds
+        paged.flex_attention_ragged(q, k_pages, v_pages, table, np.array([3, 1, 70, 33, 5], np.int32), cu)
+    with pytest.raises(ValueError, match="never decrease"):
+        paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, np.array([0, 5, 3, 9, 42, 42], np.int32))
+    with pytest.raises(NotImplementedError, match="backend"):
+        paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, backend="triton_nonexistent")
+    with pytest.raises(ValueError, match="k_new / v_new"):
+        paged.write_and_attend(q, q, q, k_pages, v_pages, table, KV_LENS, cu)
