@@ -45,7 +45,7 @@ def _same_grad(d, like, extra):
 
 
 def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: Callable = lambda extra: None,
-                  logical: Callable = _same, from_logical: Callable = _same_grad):
+                  logical: Callable = _same, from_logical: Callable = _same_grad, logical_v: Callable | None = None):
     """The JVP of ``(out, lse, row_max) = attention(q, k, v, score_consts, mask_consts, lists, extra)``.
 
     Args:
@@ -62,7 +62,9 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
         gathered through its table).
       from_logical: ``from_logical(d, like, extra)``: a gradient of the logical k / v back in
         the layout of ``like`` (pages scattered back).
+      logical_v: ``logical`` for v where it differs from k's (a quantized pool's own scales).
     """
+    logical_k, logical_v = logical, logical_v or logical
     q, k, v, score_consts, mask_consts, lists, extra = primals
     t_q, t_k, t_v, t_consts = tangents[:4]
     out, lse, residuals = forward(q, k, v, score_consts, mask_consts, lists, extra)
@@ -80,15 +82,16 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
     def tangent_map(*args):
         q_, k_, v_, out_, _, sc, mc, ls, ex, resid = unflatten(args[:len(res_flat)])
         tq, tk, tv, tc = split(args[len(res_flat):])
-        tk, tv = (None if t is None else logical(t, ex) for t in (tk, tv))
-        t_out, t_lse = xla_backend.tangent(spec, q_, logical(k_, ex), logical(v_, ex), out_, resid, sc, mc, ls,
+        tk = None if tk is None else logical_k(tk, ex)
+        tv = None if tv is None else logical_v(tv, ex)
+        t_out, t_lse = xla_backend.tangent(spec, q_, logical_k(k_, ex), logical_v(v_, ex), out_, resid, sc, mc, ls,
                                            tq, tk, tv, tc, dropout_seed=seed_of(ex))
         return t_out.astype(out_.dtype), t_lse.astype(lse.dtype)
 
     def transpose_map(*args):
         q_, k_, v_, out_, lse_, sc, mc, ls, ex, resid = unflatten(args[:len(res_flat)])
         dout, dlse = args[len(res_flat):]
-        dq, dk, dv, dscore = impl.backward(spec, q_, logical(k_, ex), logical(v_, ex), out_, lse_, dout, dlse, sc,
+        dq, dk, dv, dscore = impl.backward(spec, q_, logical_k(k_, ex), logical_v(v_, ex), out_, lse_, dout, dlse, sc,
                                            mc, ls, has_c, resid, dropout_seed=seed_of(ex))
         grads = (dq, from_logical(dk, k_, ex), from_logical(dv, v_, ex))
         cts = tuple(g.astype(x.dtype) for g, x, h in zip(grads, (q_, k_, v_), has_qkv) if h)

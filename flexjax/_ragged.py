@@ -36,9 +36,12 @@ from ._trace import trace_mod
 from .backends import available_backends, get_backend
 from .backends._contract import TileLists
 
-# Rows of a prefill q tile, and the most queries a sequence may have to get a decode tile
-# of its own (one query: its GQA heads fill the tile's rows, as in a decode step).
-WIDE_Q = 64
+# Packed rows (q tile rows x GQA group) of a prefill q tile, and the most queries a sequence
+# may have to get a decode tile of its own (one query: its GQA heads fill the tile's rows,
+# as in a decode step). Measured with benchmarks/bench_serving.py (8 chunks + 56 decodes,
+# Hq=8, Hkv=2, D=64, float32, 2-core CPU): tiles of 8 / 16 / 32 / 64 / 128 query rows
+# (32 / 64 / 128 / 256 / 512 packed rows) took 181 / 165 / 147 / 226 / 222 ms.
+WIDE_ROWS = 128
 NARROW_Q = 1
 
 
@@ -145,7 +148,7 @@ def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths, q_dtype):
 
 
 def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
-               bkv, kernel_options):
+               bkv, kernel_options, scales):
     from .paged import _logical_like, _paged
 
     T, Hq, D = query.shape
@@ -161,16 +164,20 @@ def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_
     impl.validate_options(spec)
     rows = jnp.clip(tiles.tok[:, None] + jnp.arange(bq, dtype=jnp.int32), 0, T - 1)
     q_tiles = query[rows]  # (N, bq, Hq, D)
-    reason = impl.supports_paged(spec, q_tiles, *_logical_like(N, kv_len, k_pages, v_pages), lists)
+    reason = impl.supports_paged(spec, q_tiles, *_logical_like(N, kv_len, k_pages, v_pages,
+                                                             query.dtype if scales else None), lists)
+    if reason is None and scales is not None:
+        reason = impl.supports_quantized(spec, q_tiles, k_pages.dtype) if hasattr(impl, "supports_quantized") else \
+            "no quantized pools"
     if reason is not None:
         raise NotImplementedError(f"backend {name!r} cannot serve this ragged call: {reason}; pass backend='xla', "
                                   "which serves every ragged call")
-    return _paged(name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, pt[tiles.seq])
+    return _paged(name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, (pt[tiles.seq], scales))
 
 
 def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, *, score_mod=None,
                           mask_mod=None, scale=None, sinks=None, return_aux=None, backend: str | None = None,
-                          kernel_options: dict | None = None):
+                          kernel_options: dict | None = None, k_scale=None, v_scale=None):
     """Attention for a mixed batch: prefill chunks and decode steps of many sequences in one call.
 
     Sequence ``i`` has ``kv_lengths[i]`` tokens in its pages (``page_table[i]``), of which
@@ -201,6 +208,8 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
       backend: "xla" (None: xla; on CPU the C++ kernel where it compiles the mods) or
         "pallas" (its paged decode kernel; interpret mode on CPU).
       kernel_options: the pallas backend's, with backend="pallas".
+      k_scale, v_scale: for int8 / float8_e4m3fn pools (``flexjax.paged.quantize``),
+        float32 (Hkv,) or (num_pages, Hkv); tiles are dequantized as they are loaded.
 
     Returns:
       out (T, Hq, Dv) in the query's dtype, or ``(out, AuxOutput)``.
@@ -240,9 +249,11 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     cu = int_array("cu_q_lens", cu_q_lens, "(num_seqs + 1,)")
     if cu.shape != (S + 1,):
         raise ValueError(f"cu_q_lens must be int32 (num_seqs + 1 = {S + 1},), got shape {cu.shape}")
+    from ._quant import check_scales
     from ._spec import check_qkv
-    check_qkv(query[None], jax.ShapeDtypeStruct((1,) + k_pages.shape[1:], k_pages.dtype),
-              jax.ShapeDtypeStruct((1,) + v_pages.shape[1:], v_pages.dtype))
+    from .paged import _logical_like
+    scales = check_scales(k_pages, v_pages, k_scale, v_scale)
+    check_qkv(query[None], *_logical_like(1, k_pages.shape[1], k_pages, v_pages, query.dtype if scales else None))
     sinks = check_sinks(sinks, Hq)
     if return_aux is not None:
         from ._spec import check_outputs
@@ -254,13 +265,14 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     _check_layout(cu, lengths, T, kv_len)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bkv = math.gcd(ps, 128)
-    wide = min(WIDE_Q, 1 << max(0, (T - 1).bit_length()))
+    G = Hq // k_pages.shape[2]
+    wide = min(max(16, WIDE_ROWS // G), 64, 1 << max(0, (T - 1).bit_length()))
     narrow = min(NARROW_Q, wide)
     user_mask = trace_mod(mask_mod if mask_mod is not None else _causal, "mask", arg_name="mask_mod")
     wide_tiles, narrow_tiles, is_narrow, starts = _plan(cu, lengths, T, S, wide, narrow)
     name = backend or "xla"
     run = lambda tiles: _run_class(name, tiles, query, k_pages, v_pages, pt, lengths, score_mod,  # noqa: E731
-                                   mask_mod, user_mask, scale, bkv, kernel_options)
+                                   mask_mod, user_mask, scale, bkv, kernel_options, scales)
     out_w, lse_w, ms_w = run(wide_tiles)
     out_n, lse_n, ms_n = run(narrow_tiles)
     # Each packed token's row: its sequence's decode tile, or wide tile starts[s] + o // wide.
@@ -286,7 +298,8 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     return res[0]
 
 
-def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, **kwargs):
+def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, *, k_scale=None,
+                     v_scale=None, **kwargs):
     """Writes the new tokens' K/V into their pages and attends, in one call.
 
     ``k_new`` / ``v_new`` are (T, Hkv, D / Dv), packed as ``query``: token
@@ -298,8 +311,12 @@ def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengt
     with the updated pools (donate the pools to the jitted step for an in-place update);
     under jit the write and the attention are one XLA program, the attention reading the
     written pages. ``kwargs`` are ``flex_attention_ragged``'s.
+
+    Quantized pools take ``k_scale`` / ``v_scale`` (as ``flexjax.paged.write``): the new
+    tokens are quantized as they are written, and ``(out, k_pages, v_pages, k_scale,
+    v_scale)`` comes back (per-page scales may have grown).
     """
-    from .paged import _page_table
+    from .paged import _page_table, _write_slots
 
     k_new, v_new = jnp.asarray(k_new), jnp.asarray(v_new)
     T = query.shape[0] if hasattr(query, "shape") and query.ndim == 3 else None
@@ -323,7 +340,8 @@ def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengt
     page = pt[s, jnp.clip(pos // ps, 0, pt.shape[1] - 1)]
     page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # dropped
     slot = pos % ps
-    k_pages = k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop")
-    out = flex_attention_ragged(query, k_pages, v_pages, pt, lengths, cu, **kwargs)
-    return out, k_pages, v_pages
+    written = _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale)
+    k_pages, v_pages = written[:2]
+    scales = dict(zip(("k_scale", "v_scale"), written[2:]))
+    out = flex_attention_ragged(query, k_pages, v_pages, pt, lengths, cu, **scales, **kwargs)
+    return (out, *written)

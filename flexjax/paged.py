@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _dropout
+from . import _dropout, _quant
+from ._quant import dequantize, quantize  # noqa: F401 (public here)
 from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows are public here)
     EMPTY,
     FULL,
@@ -177,10 +178,15 @@ def release(page_table, free_pages, done):
     return jnp.where(done[:, None], -1, pt), new_free
 
 
-def write(k_pages, v_pages, page_table, positions, k_new, v_new):
-    """Writes new tokens into the pools; returns the updated ``(k_pages, v_pages)``.
+def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None, v_scale=None):
+    """Writes new tokens into the pools; returns the updated ``(k_pages, v_pages)``, or
+    ``(k_pages, v_pages, k_scale, v_scale)`` for quantized pools.
 
-    Functional and jit-able (donate the pools for an in-place update).
+    Functional and jit-able (donate the pools for an in-place update). Quantized pools
+    (int8 / float8_e4m3fn, see ``quantize``) take their scales: per kv head ``(Hkv,)``, the
+    new tokens are quantized with them (clipped past ``qmax * scale``); per (page, kv head)
+    ``(num_pages, Hkv)``, a page's scale grows where a new token needs it (its earlier
+    tokens requantized) and the new scales come back.
 
     Args:
       k_pages, v_pages: (num_pages, page_size, kv_heads, head_dim / v_head_dim).
@@ -209,14 +215,33 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new):
     page = jnp.take_along_axis(pt, jnp.clip(logical // ps, 0, pt.shape[1] - 1), axis=1)
     page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # past the pool: the update is dropped
     slot = logical % ps
-    return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
-            v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"))
+    return _write_slots(k_pages, v_pages, page.reshape(-1), slot.reshape(-1), k_new.reshape(-1, *k_new.shape[2:]),
+                        v_new.reshape(-1, *v_new.shape[2:]), k_scale, v_scale)
 
 
-def gather(pages, page_table) -> jax.Array:
-    """The contiguous logical cache (B, max_pages * page_size, kv_heads, .) of a pool (for tests)."""
+def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale):
+    """Tokens (N, Hkv, .) into (page[n], slot[n]) (a page past the pool drops the token)."""
+    scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
+    if scales is None:
+        return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
+                v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"))
+    # Per-head scales stay as given (their shape too); per-page ones may grow.
+    ks = k_scale if jnp.ndim(k_scale) == 1 else scales[0]
+    vs = v_scale if jnp.ndim(v_scale) == 1 else scales[1]
+    k_pages, ks = _quant.write_quantized(k_pages, ks, page, slot, k_new)
+    v_pages, vs = _quant.write_quantized(v_pages, vs, page, slot, v_new)
+    return k_pages, v_pages, ks, vs
+
+
+def gather(pages, page_table, scale=None) -> jax.Array:
+    """The contiguous logical cache (B, max_pages * page_size, kv_heads, .) of a pool (for
+    tests); a quantized pool with its ``scale`` comes back dequantized, float32."""
     B, mp = page_table.shape
-    return pages[page_table].reshape(B, mp * pages.shape[1], *pages.shape[2:])
+    x = pages[page_table]
+    if scale is not None:
+        s = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (pages.shape[0], pages.shape[2]))
+        x = x.astype(jnp.float32) * s[page_table][:, :, None, :, None]
+    return x.reshape(B, mp * pages.shape[1], *pages.shape[2:])
 
 
 def _with_lengths(bm: BlockMask, kv_lengths, B: int):
@@ -288,7 +313,8 @@ def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[
 
 def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *,
                    scale=None, return_lse: bool = False, return_aux=None, sinks=None, dropout_rate: float = 0.0,
-                   dropout_rng=None, backend: str | None = None, kernel_options: dict | None = None):
+                   dropout_rng=None, backend: str | None = None, kernel_options: dict | None = None,
+                   k_scale=None, v_scale=None):
     """``flexjax.flex_attention`` over a paged KV cache, reading pages through the table.
 
     The block mask and mods are written in logical positions, as if the cache were
@@ -319,6 +345,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         that are multiples of 128 and a BlockMask built with ``H=None``; interpret mode on
         CPU).
       kernel_options: the pallas backend's (e.g. ``{"target": "cuda"}``), with backend="pallas".
+      k_scale, v_scale: for int8 / float8_e4m3fn pools (``quantize``), float32 (Hkv,) or
+        (num_pages, Hkv): each tile is dequantized as it is loaded (``x * scale``). The
+        scales get no gradient.
 
     Returns:
       (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``, or ``(out, AuxOutput)``.
@@ -349,9 +378,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     if lengths.shape != (B,):
         raise ValueError(f"kv_lengths must be int32 (B={B},), got shape {lengths.shape}")
     kv_len = pt.shape[1] * ps
+    scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
     # dtypes, heads and head dims, checked as for a contiguous cache of one page.
-    check_qkv(query, jax.ShapeDtypeStruct((B,) + k_pages.shape[1:], k_pages.dtype),
-               jax.ShapeDtypeStruct((B,) + v_pages.shape[1:], v_pages.dtype))
+    check_qkv(query, *_logical_like(B, ps, k_pages, v_pages, query.dtype if scales else None))
     if block_mask is None:
         bkv = math.gcd(ps, 128)
         block_mask = full_block_mask(1, 1, Sq, kv_len, block_size=(128, bkv))
@@ -378,21 +407,29 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     name = backend or "xla"
     impl = get_backend(name)
     impl.validate_options(spec)
-    reason = impl.supports_paged(spec, query, *_logical_like(B, kv_len, k_pages, v_pages), lists)
+    reason = impl.supports_paged(spec, query, *_logical_like(B, kv_len, k_pages, v_pages, query.dtype if scales
+                                                             else None), lists)
+    if reason is None and scales is not None:
+        reason = impl.supports_quantized(spec, query, k_pages.dtype) if hasattr(impl, "supports_quantized") else \
+            "no quantized pools"
     if reason is not None:
         raise NotImplementedError(f"backend {name!r} cannot serve this paged call: {reason}")
-    out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists, pt)
+    out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists,
+                                  (pt, scales))
     return results(out, lse, max_scores, sinks, return_lse, return_aux)
 
 
-def _logical_like(B: int, kv_len: int, k_pages, v_pages):
+def _logical_like(B: int, kv_len: int, k_pages, v_pages, dtype=None):
     """Shapes of the contiguous (B, kv_len, Hkv, D) cache the pools stand for (for the
-    backends' checks)."""
-    return tuple(jax.ShapeDtypeStruct((B, kv_len) + x.shape[2:], x.dtype) for x in (k_pages, v_pages))
+    backends' checks); ``dtype``: a quantized pool's, the dtype it is dequantized to."""
+    return tuple(jax.ShapeDtypeStruct((B, kv_len) + x.shape[2:], dtype or x.dtype) for x in (k_pages, v_pages))
 
 
-def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-    return get_backend(name).paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists)
+def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
+    page_table, scales = extra
+    kw = {} if scales is None else {"scales": scales}
+    return get_backend(name).paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
+                                           **kw)
 
 
 # Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
@@ -401,9 +438,9 @@ def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, l
 # xla backend's blockwise tangent pass, ``jax.grad`` only the backward.
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
-                                         page_table)
+def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
+    """``extra``: (page_table, scales), scales None or a quantized pool's (k_scale, v_scale)."""
+    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
     row_max = residuals.row_max  # max_scores, as flex_attention's
     return out, lse, row_max
 
@@ -411,14 +448,24 @@ def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, pa
 def _paged_jvp(name, spec, primals, tangents):
     from ._autodiff import attention_jvp
 
-    def forward(q, k_pages, v_pages, score_consts, mask_consts, lists, page_table):
-        return _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, page_table)
+    def forward(q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
+        return _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
 
-    def scatter(d, pages, page_table):
+    def scatter(d, pages, extra):
         d = d.reshape(d.shape[0], -1, pages.shape[1], *d.shape[2:])
-        return jnp.zeros(pages.shape, d.dtype).at[page_table].add(d)
+        return jnp.zeros(pages.shape, d.dtype).at[extra[0]].add(d)
 
-    return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=gather, from_logical=scatter)
+    def logical(which):
+        def f(pages, extra):
+            page_table, scales = extra
+            if scales is None:
+                return gather(pages, page_table)
+            # A quantized pool: dequantized (its pages get no gradient: integer tangents).
+            return gather(pages, page_table, scales[which]).astype(primals[0].dtype)
+        return f
+
+    return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=logical(0),
+                         logical_v=logical(1), from_logical=scatter)
 
 
 _paged.defjvp(_paged_jvp, symbolic_zeros=True)

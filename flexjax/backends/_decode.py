@@ -113,7 +113,8 @@ def tile_entries(kv_n, kv_i, fkv_n, fkv_i, e):
     return jnp.where(in_partial, ip, ifull), e < kv_n + fkv_n
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, page_table=None):
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, page_table=None,
+                           scales=None):
     """out (B, Sq, Hq, Dv), lse and the rows' ``Residuals`` (B, Hq, Sq).
 
     Args:
@@ -123,6 +124,8 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
         are logical (``spec.kv_len = max_pages * page_size``); the block size must divide
         the page size, so no tile crosses a page.
       lists: the BlockMask's eight tile lists.
+      scales: with ``page_table`` and int8 / float8 pools, their (k_scale, v_scale), float32
+        (num_pages, Hkv): each gathered sub-tile is dequantized (``x * scale``) as it is read.
       dropout_seed: unused (the path serves only ``dropout_rate == 0``).
     """
     del dropout_seed
@@ -145,7 +148,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None, None, None, None]
     chunk = jnp.arange(C, dtype=jnp.int32)
 
-    def gather(x, start):
+    def gather(x, start, scale=None):
         # Sub-tiles are read in place (no padded copy of the cache): a start within wg of
         # the end is pulled back, and the positions before the nominal start are masked.
         # Paged: the page table maps the logical page to a physical one, and a sub-tile
@@ -160,14 +163,20 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
         d = x.shape[-1]
         if hk == 1:
             one = lambda xs, o: jax.lax.dynamic_slice_in_dim(xs, o, wg, 0)  # noqa: E731
-            return jax.vmap(jax.vmap(one, (None, 0)), (x_axis, 0))(x, row[:, 0])  # (B, C, wg, Hkv, d)
+            t = jax.vmap(jax.vmap(one, (None, 0)), (x_axis, 0))(x, row[:, 0])  # (B, C, wg, Hkv, d)
+            if scale is not None:  # (a tile never crosses a page: one scale per kv head)
+                t = t.astype(dt) * scale[page[:, 0]][:, :, None, :, None]
+            return t
 
         def one_h(xs, o, h):
             return jax.lax.dynamic_slice(xs, (o, h, 0), (wg, 1, d))[:, 0]
 
         heads = jnp.arange(Hkv, dtype=jnp.int32)
         f = jax.vmap(jax.vmap(one_h, (None, 0, None)), (None, 0, 0))
-        return jax.vmap(f, (x_axis, 0, None))(x, row, heads)  # (B, Hkv, C, wg, d)
+        t = jax.vmap(f, (x_axis, 0, None))(x, row, heads)  # (B, Hkv, C, wg, d)
+        if scale is not None:
+            t = t.astype(dt) * scale[page, heads[None, :, None]][..., None, None]
+        return t
 
     def body(t, carry):
         m, l, acc, kv = carry
@@ -180,7 +189,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
         j, live = tile_entries(kv_n, kv_i, fkv_n, fkv_i, e // n_sub)  # (Bm, hk, C)
         start = jnp.broadcast_to(j * bkv + (e % n_sub) * w, (B, hk, C))
         live = jnp.broadcast_to(live, (B, hk, C))
-        kt, vt = gather(kv[0], start), gather(kv[1], start)
+        kt, vt = gather(kv[0], start, k_scale), gather(kv[1], start, v_scale)
         spec_k = "bckhd" if hk == 1 else "bhckd"
         s = jnp.einsum(f"bhrd,{spec_k}->bhcrk", qp, kt.astype(dt))
         kv_idx = (jnp.minimum(start, Skv - wg)[..., None] + jnp.arange(wg, dtype=jnp.int32))[:, :, :, None, :]
@@ -194,6 +203,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
         return m_new, l, acc * alpha[..., None] + pv, kv
 
     carry = (*_softmax.start((B, Hkv, C, R), dt), jnp.zeros((B, Hkv, C, R, Dv), dt))
+    k_scale, v_scale = (None, None) if scales is None else scales
     if page_table is not None:
         ps = k.shape[1]
         k, v = k.reshape((-1,) + k.shape[2:]), v.reshape((-1,) + v.shape[2:])

@@ -169,9 +169,15 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     return None
 
 
-def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
+def supports_quantized(spec, q, dtype) -> str | None:
+    """None: int8 and float8_e4m3fn pools are dequantized as their tiles are read."""
+    return None
+
+
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
     """``forward_with_residuals`` over page pools (num_pages, page_size, Hkv, .) and a page
-    table (B, max_pages); ``spec.kv_len`` is max_pages * page_size."""
+    table (B, max_pages); ``spec.kv_len`` is max_pages * page_size. ``scales``: a quantized
+    pool's (k_scale, v_scale), float32 (num_pages, Hkv)."""
     k_like, v_like = (jax.ShapeDtypeStruct((q.shape[0], spec.kv_len) + x.shape[2:], x.dtype)
                       for x in (k_pages, v_pages))
     name, _ = first_serving(PAGED_FORWARD, "xla paged forward", spec=spec, q=q, k=k_like, v=v_like,
@@ -179,14 +185,14 @@ def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_cons
     if name == "cpu_kernel":
         from . import cpu
         return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
-                                 _decode_paged_forward)
-    return _decode_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists)
+                                 _decode_paged_forward, scales=scales)
+    return _decode_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales)
 
 
-def _decode_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
+def _decode_paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
     from . import _decode
     return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists,
-                                          page_table=page_table)
+                                          page_table=page_table, scales=scales)
 
 
 # -- tiles ---------------------------------------------------------------------------------

@@ -336,7 +336,11 @@ def reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None
     why = _mesh_reason()
     if why is not None:
         return why
-    if _decode_step(q) and not _native_kv(q, k, v) and (k.dtype != jnp.float32 or v.dtype != jnp.float32):
+    if _quantized(k):
+        if k.dtype != v.dtype or q.shape[-1] % 16 or v.shape[-1] % 16:
+            return "an int8 / float8 pool needs k and v in one dtype and head dims that are multiples of 16"
+        k = v = jax.ShapeDtypeStruct(k.shape, jnp.float32)  # (read with its scales, as float32)
+    elif _decode_step(q) and not _native_kv(q, k, v) and (k.dtype != jnp.float32 or v.dtype != jnp.float32):
         # A 16-bit cache the kernel cannot read as it is would be converted whole at every
         # step, O(capacity), where the XLA decode path upcasts only the tiles it reads.
         return "a decode step over 16-bit caches of different dtypes or a head dim not a multiple of 16"
@@ -347,6 +351,11 @@ def _decode_step(q) -> bool:
     from .._decode import DECODE_MAX_Q
 
     return q.shape[1] <= DECODE_MAX_Q
+
+
+def _quantized(k) -> bool:
+    """Whether k (and v) is an int8 or float8_e4m3fn pool, read with its scales."""
+    return k.dtype in (jnp.int8, jnp.float8_e4m3fn)
 
 
 def _native_kv(q, k, v) -> bool:
@@ -456,7 +465,7 @@ def _vjp_address(mod, consts) -> int:
 
 
 # The primitive's leading operands per direction; the 8 tile lists and the captured arrays follow.
-_LEAD = {"fwd": 3, "paged": 4, "bwd": 9}
+_LEAD = {"fwd": 3, "paged": 6, "bwd": 9}
 
 
 def _bind(direction, spec, lead, score_consts, mask_consts, lists, loops):
@@ -481,12 +490,16 @@ def forward(spec, q, k, v, score_consts, mask_consts, lists, loops):
     return out, lse, Residuals(row_max, row_sum)
 
 
-def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, loops):
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, loops, scales=None):
     """``forward`` over paged pools (num_pages, page_size, Hkv, D) and a page table (B,
     max_pages): the kernel reads each tile from its page in place. ``loops(spec, q, k_pages,
-    v_pages, page_table, score_consts, mask_consts, lists)`` is the XLA version (for export).
+    v_pages, page_table, score_consts, mask_consts, lists, scales)`` is the XLA version (for
+    export). ``scales``: int8 / float8_e4m3fn pools' (k_scale, v_scale), float32 (num_pages,
+    Hkv); each tile's scores are scaled by its k scale and its probabilities by its v scale.
     """
-    lead = (q, k_pages, v_pages, jnp.asarray(page_table, jnp.int32))
+    if scales is None:
+        scales = (jnp.ones((1, 1), jnp.float32),) * 2
+    lead = (q, k_pages, v_pages, jnp.asarray(page_table, jnp.int32), *scales)
     out, lse, row_max, row_sum = _bind("paged", spec, lead, score_consts, mask_consts, lists, loops)
     return out, lse, Residuals(row_max, row_sum)
 
@@ -527,11 +540,14 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
         packed = dict(score_packed=np.int64(_packed_address(spec.score, score_consts) if can_pack else 0),
                       mask_packed=np.int64(_packed_address(spec.mask, mask_consts) if can_pack else 0))
         if direction == "paged":
-            page_table, page_size = lead[3], np.int64(k.shape[1])
+            page_table, page_size, scales = lead[3], np.int64(k.shape[1]), lead[4:6]
         else:
             page_table, page_size = jnp.zeros((1, 1), jnp.int32), np.int64(0)
-        kv = (k, v) if _native_kv(q, k, v) else (_f32(k), _f32(v))
-        out, m, l = call(_f32(q), *kv, page_table, *lists.by_q, *score_consts, *mask_consts, **attrs,
+            scales = (jnp.ones((1, 1), jnp.float32),) * 2
+        quantized = _quantized(k)
+        kv = (k, v) if quantized or _native_kv(q, k, v) else (_f32(k), _f32(v))
+        out, m, l = call(_f32(q), *kv, page_table, *scales, *lists.by_q, *score_consts, *mask_consts, **attrs,
+                         quantized=np.int64(quantized),
                          **packed, page_size=page_size, pair_products=np.int64(pair_products()))
         return out.astype(q.dtype), lse_of(m, l), *Residuals.from_running(m, l)
     out, _, dout, dlse, row_max, row_sum = lead[3:]
@@ -552,8 +568,13 @@ def _kernel_impl(*args, direction, spec, n_score, n_mask, loops):
 
 def _loops_impl(*args, direction, spec, n_score, n_mask, loops):
     lead, lists, score_consts, mask_consts = _split(args, direction, n_score)
-    if direction in ("fwd", "paged"):
+    if direction == "fwd":
         out, lse, residuals = loops(spec, *lead, score_consts, mask_consts, lists)
+        return out, lse, *residuals
+    if direction == "paged":
+        q, k, v, page_table, k_scale, v_scale = lead
+        scales = (k_scale, v_scale) if _quantized(k) else None
+        out, lse, residuals = loops(spec, q, k, v, page_table, score_consts, mask_consts, lists, scales)
         return out, lse, *residuals
     q, k, v, out, lse, dout, dlse, row_max, row_sum = lead
     dq, dk, dv, _ = loops(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists,

@@ -64,15 +64,18 @@ static inline v16 vexp_le0(v16 x) {
 #endif
 }
 
-// Element types of k and v in the forward: ld reads 16 of them as float32 (exact).
+// Element types of k and v in the forward: ld reads 16 of them as float32 (exact). `quant`:
+// a quantized pool's codes, whose values are the codes times a scale per (page, kv head).
 struct F32 {
   using T = float;
   static constexpr bool split = false;
+  static constexpr bool quant = false;
   static inline v16 ld(const float* p) { return fj_ld(p); }
 };
 struct BF16 {
   using T = uint16_t;
   static constexpr bool split = false;
+  static constexpr bool quant = false;
   static inline v16 ld(const uint16_t* p) {
 #if defined(__AVX512F__)
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -90,6 +93,7 @@ struct BF16 {
 struct F16 {
   using T = uint16_t;
   static constexpr bool split = false;
+  static constexpr bool quant = false;
   static inline v16 ld(const uint16_t* p) {
 #if defined(__AVX512F__)
     return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -100,6 +104,52 @@ struct F16 {
       const float mag = e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(e ? 1024 + m : m), (e ? e : 1) - 25);
       x[i] = (h & 0x8000) ? -mag : mag;
     }
+    return x;
+#endif
+  }
+};
+
+// int8 codes (a quantized pool).
+struct I8 {
+  using T = int8_t;
+  static constexpr bool split = false;
+  static constexpr bool quant = true;
+  static inline v16 ld(const int8_t* p) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+    v16 x;
+    for (int i = 0; i < 16; ++i) x[i] = (float)p[i];
+    return x;
+#endif
+  }
+};
+
+// float8_e4m3fn codes (a quantized pool): sign, 4 exponent bits (bias 7), 3 mantissa bits,
+// no infinities, NaN at S.1111.111; decoded through a 256-entry table.
+struct F8Table {
+  alignas(64) float v[256];
+  F8Table() {
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      float mag = (e == 15 && m == 7) ? NAN : std::ldexp((float)(e ? 8 + m : m), (e ? e : 1) - 10);
+      v[c] = (c & 0x80) ? -mag : mag;
+    }
+  }
+};
+static const F8Table kF8Table;
+
+struct F8 {
+  using T = uint8_t;
+  static constexpr bool split = false;
+  static constexpr bool quant = true;
+  static inline v16 ld(const uint8_t* p) {
+#if defined(__AVX512F__)
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return (v16)_mm512_i32gather_ps(idx, kF8Table.v, 4);
+#else
+    v16 x;
+    for (int i = 0; i < 16; ++i) x[i] = kF8Table.v[p[i]];
     return x;
 #endif
   }
@@ -132,6 +182,7 @@ static void column_order_rows(float* O, int64_t ld, int n, int Dv, At at) {
 struct BF16S {
   using T = uint16_t;
   static constexpr bool split = true;
+  static constexpr bool quant = false;
   static inline void ld2(const uint16_t* p, v16* even, v16* odd) {
     const __m512i x = _mm512_loadu_si512(p);
     *even = (v16)_mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -739,11 +790,21 @@ using PackedFn = void (*)(float* s, int64_t ld, int nc, int nr, int b, const int
                           const void* const* arrays);
 
 // Element types of k and v in the forward.
-enum KvType { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum KvType { kF32 = 0, kBF16 = 1, kF16 = 2, kI8 = 3, kF8 = 4 };
 
-// n (a multiple of 16) elements of a 16-bit row as float32.
-static inline void widen_row(const uint16_t* src, int type, int64_t n, float* dst) {
-  for (int64_t d = 0; d < n; d += 16) fj_st(dst + d, type == kBF16 ? BF16::ld(src + d) : F16::ld(src + d));
+static inline int64_t kv_bytes(int type) { return type == kF32 ? 4 : (type == kBF16 || type == kF16) ? 2 : 1; }
+
+// n (a multiple of 16) elements of a row that is not float32 as float32 (times `scale`: a
+// quantized pool's, 1 otherwise).
+static inline void widen_row(const void* src, int type, int64_t n, float* dst, float scale) {
+  for (int64_t d = 0; d < n; d += 16) {
+    v16 x;
+    if (type == kBF16) x = BF16::ld(static_cast<const uint16_t*>(src) + d);
+    else if (type == kF16) x = F16::ld(static_cast<const uint16_t*>(src) + d);
+    else if (type == kI8) x = I8::ld(static_cast<const int8_t*>(src) + d) * scale;
+    else x = F8::ld(static_cast<const uint8_t*>(src) + d) * scale;
+    fj_st(dst + d, x);
+  }
 }
 
 struct Problem {
@@ -770,6 +831,8 @@ struct Problem {
   // kv0 of batch b lies in page page_table[b, kv0 / page_size] (a tile never spans pages).
   const int32_t* page_table;
   int64_t page_size, max_pages, num_pages;
+  // A quantized pool (kv_type kI8 or kF8): float32 scales (num_pages, Hkv); null otherwise.
+  const float *k_scale = nullptr, *v_scale = nullptr;
   float* part;  // nsplit > 1: per item and group, the unnormalized rows, row maxima, row sums
   int64_t part_stride;
   int ahead, ahead_far;  // rows a decode tile's K and V reads prefetch ahead into L1 and L2 (0: none)
@@ -839,7 +902,8 @@ struct WideDot {
   using QV = v16;
   using KV = v16;
   static constexpr int step = 16;
-  static constexpr bool scaled = false;  // (the query rows carry the scale)
+  static constexpr bool scaled = E::quant;  // (the query rows carry the scale; a quantized pool's
+                                            // tile scale is applied to the sums)
   static inline QV ldq(const float* q) { return fj_ld(q); }
   static inline KV ldk(const T* k) { return E::ld(k); }
   static inline v16 mac(v16 acc, KV k, QV q) { return acc + k * q; }
@@ -938,13 +1002,24 @@ static void qk_dot(const typename Dot::T* K, int64_t ks, const typename Dot::Q* 
 }
 
 // The row of k and v (in units of Hkv * D floats) holding batch b's kv position kv0.
-static inline int64_t kv_base(const Problem& P, int64_t b, int64_t kv0) {
-  if (P.page_size == 0) return b * P.Skv + kv0;
+static inline int64_t page_of(const Problem& P, int64_t b, int64_t kv0) {
   // Pages past a sequence's length may hold anything: indices are clamped into the pool
   // (those tiles' keys are masked by the lengths).
   const int64_t logical = std::min<int64_t>(kv0 / P.page_size, P.max_pages - 1);
-  const int64_t page = std::min<int64_t>(std::max<int32_t>(P.page_table[b * P.max_pages + logical], 0), P.num_pages - 1);
-  return page * P.page_size + kv0 % P.page_size;
+  return std::min<int64_t>(std::max<int32_t>(P.page_table[b * P.max_pages + logical], 0), P.num_pages - 1);
+}
+
+static inline int64_t kv_base(const Problem& P, int64_t b, int64_t kv0) {
+  if (P.page_size == 0) return b * P.Skv + kv0;
+  return page_of(P, b, kv0) * P.page_size + kv0 % P.page_size;
+}
+
+// A quantized pool's scale of the tile at kv0 (one page) for this head group's kv head
+// (`scales`: k's or v's); 1 for a float cache.
+static inline float tile_scale(const Problem& P, const float* scales, const ItemRows& R, int64_t kv0) {
+  if (scales == nullptr) return 1.0f;
+  const int64_t hkv = R.hq0 / (P.Hq / P.Hkv);
+  return scales[page_of(P, R.b, kv0) * P.Hkv + hkv];
 }
 
 // One tile of one head group, in four phases (an item of Gi > 1 groups runs each phase for
@@ -978,14 +1053,15 @@ static void tile_ranges(const Problem& P, const ItemRows& R, GroupState& gs, boo
 // The tile's rows [a, b) of k (or v) for this head group as float32, row c at the returned
 // pointer + c * (*stride): in place for a float32 cache, else widened into buf.
 static const float* cache_rows(const Problem& P, const void* base, int64_t off, int64_t row_stride, int64_t n, int a,
-                               int b, std::vector<float>& buf, int64_t* stride) {
+                               int b, std::vector<float>& buf, int64_t* stride, float scale) {
   if (P.kv_type == kF32) {
     *stride = row_stride;
     return static_cast<const float*>(base) + off;
   }
-  const uint16_t* src = static_cast<const uint16_t*>(base) + off;
+  const int64_t es = kv_bytes(P.kv_type);
+  const char* src = static_cast<const char*>(base) + off * es;
   if (buf.size() < (size_t)P.bkv * n) buf.resize((size_t)P.bkv * n);
-  for (int c = a; c < b; ++c) widen_row(src + c * row_stride, P.kv_type, n, buf.data() + (int64_t)c * n);
+  for (int c = a; c < b; ++c) widen_row(src + c * row_stride * es, P.kv_type, n, buf.data() + (int64_t)c * n, scale);
   *stride = n;
   return buf.data();
 }
@@ -995,7 +1071,9 @@ template <class Fn>
 static inline void with_kv_type(int type, Fn f) {
   if (type == kF32) f(F32{});
   else if (type == kBF16) f(BF16{});
-  else f(F16{});
+  else if (type == kF16) f(F16{});
+  else if (type == kI8) f(I8{});
+  else f(F8{});
 }
 
 // The rows a decode tile phase's reads go on to once its own are read (see Ahead): `rows` of
@@ -1065,12 +1143,13 @@ static void tile_scores(const Problem& P, const ItemRows& R, GroupState& gs, Scr
         using E = decltype(e);
         using T = typename E::T;
         qk_dot<WideDot<E>>(static_cast<const T*>(P.k) + off, row, gs.qr.data(), D, (int)R.nr, S, gs.ld_s, lo[0],
-                           hi[0], Ahead<T>{P.ahead, P.ahead_far, static_cast<const T*>(next.at), next.rows}, 1.0f);
+                           hi[0], Ahead<T>{P.ahead, P.ahead_far, static_cast<const T*>(next.at), next.rows},
+                           tile_scale(P, P.k_scale, R, kv0));
       });
     score(0, 16, lo[0], hi[0]);
   } else {  // (the lane-broadcast product reads each key element many times: widened first)
     int64_t ks;
-    const float* K = cache_rows(P, P.k, off, row, D, c_lo, c_hi, w.kf, &ks);
+    const float* K = cache_rows(P, P.k, off, row, D, c_lo, c_hi, w.kf, &ks, tile_scale(P, P.k_scale, R, kv0));
     qk_groups(K, ks, gs.qt.data(), nrp, D, S, nrp, nc, lo, hi, score);
   }
 }
@@ -1204,6 +1283,11 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
   }
 #endif
   if (nrp == 16) {  // at most 16 rows: each value element is read once or a few times, in place
+    if (P.v_scale != nullptr) {  // a quantized pool: its tile scale joins P (l already summed P)
+      const float vsc = tile_scale(P, P.v_scale, R, kv0);
+      float* S = gs.s.data();
+      for (int64_t i = (int64_t)lo[0] * gs.ld_s; i < (int64_t)hi[0] * gs.ld_s; ++i) S[i] *= vsc;
+    }
     with_kv_type(P.kv_type, [&](auto e) {
       using E = decltype(e);
       using T = typename E::T;
@@ -1213,7 +1297,7 @@ static void tile_pv(const Problem& P, const ItemRows& R, GroupState& gs, Scratch
     return;
   }
   int64_t vs;
-  const float* V = cache_rows(P, P.v, off, row, Dv, c_lo, c_hi, w.vf, &vs);
+  const float* V = cache_rows(P, P.v, off, row, Dv, c_lo, c_hi, w.vf, &vs, tile_scale(P, P.v_scale, R, kv0));
   for (int g = 0; g < ng; ++g)
     if (lo[g] < hi[g])
       pv_range(gs.s.data(), nrp, V, vs, lo[g], hi[g], gs.o.data(), Dv, Dv, 16 * g, std::min(16 * g + 16, nr),
@@ -1321,7 +1405,7 @@ static void run_item(const Problem& P, int64_t item, Scratch& w) {
   auto tile_kv0 = [&](int t) {
     return (int)((t < n_p ? P.kv_idx[row * P.wp + t] : P.fkv_idx[row * P.wf + t - n_p]) * P.bkv);
   };
-  const size_t es = P.kv_type == kF32 ? 4 : 2;
+  const size_t es = (size_t)kv_bytes(P.kv_type);
   // Group j's rows [a, a + n) of the tile at kv0 in v (v_phase) or k, as NextRows. (By phase,
   // not by pointer: k and v may be one buffer.)
   auto at = [&](bool v_phase, int64_t j, int kv0, int a, int n) {
@@ -1461,23 +1545,39 @@ static bool captured_arrays(const ffi::RemainingArgs& consts, std::vector<const 
 }
 
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
+                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> kv_num, ffi::Buffer<ffi::S32> kv_idx,
                           ffi::Buffer<ffi::S32> fkv_num, ffi::Buffer<ffi::S32> fkv_idx, ffi::RemainingArgs consts,
                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> m_out,
                           ffi::ResultBuffer<ffi::F32> l_out, float scale, int64_t block_q, int64_t block_kv,
                           int64_t kv_len, int64_t score_fn, int64_t mask_fn, int64_t score_packed,
-                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts, int64_t pair_products) {
+                          int64_t mask_packed, int64_t page_size, int64_t n_score_consts, int64_t pair_products,
+                          int64_t quantized) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), li = kv_idx.dimensions(),
        fi = fkv_idx.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || li.size() != 4 || fi.size() != 4)
     return ffi::Error::InvalidArgument("flexjax cpu kernel: bad ranks");
   Problem P;
   const ffi::DataType kt = k.element_type();
-  if (kt != v.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::F16))
-    return ffi::Error::InvalidArgument("flexjax cpu kernel: k and v must both be float32, bfloat16 or float16");
+  const bool q8 = kt == ffi::DataType::S8 || kt == ffi::DataType::F8E4M3FN;
+  if (kt != v.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::F16 &&
+                                 !q8))
+    return ffi::Error::InvalidArgument(
+        "flexjax cpu kernel: k and v must both be float32, bfloat16, float16, int8 or float8_e4m3fn");
   if (kt != ffi::DataType::F32 && (qd[3] % 16 || vd[3] % 16))
-    return ffi::Error::InvalidArgument("flexjax cpu kernel: 16-bit k and v need head dims that are multiples of 16");
-  P.kv_type = kt == ffi::DataType::F32 ? kF32 : (kt == ffi::DataType::BF16 ? kBF16 : kF16);
+    return ffi::Error::InvalidArgument("flexjax cpu kernel: 16-bit and 8-bit k and v need head dims that are multiples "
+                                       "of 16");
+  if (q8 != (quantized != 0) || (q8 && (page_size == 0 || k_scale.dimensions().size() != 2 ||
+                                        k_scale.dimensions()[0] != kd[0] || k_scale.dimensions()[1] != kd[2] ||
+                                        v_scale.dimensions()[0] != kd[0] || v_scale.dimensions()[1] != kd[2])))
+    return ffi::Error::InvalidArgument("flexjax cpu kernel: int8 / float8 pools need paged calls with scales "
+                                       "(num_pages, Hkv)");
+  P.kv_type = kt == ffi::DataType::F32 ? kF32 : kt == ffi::DataType::BF16 ? kBF16 : kt == ffi::DataType::F16 ? kF16
+              : kt == ffi::DataType::S8 ? kI8 : kF8;
+  if (q8) {
+    P.k_scale = k_scale.typed_data();
+    P.v_scale = v_scale.typed_data();
+  }
   P.q = q.typed_data();
   P.k = k.untyped_data();
   P.v = v.untyped_data();
@@ -1530,6 +1630,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -1548,7 +1650,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
                                   .Attr<int64_t>("mask_packed")
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("n_score_consts")
-                                  .Attr<int64_t>("pair_products"));
+                                  .Attr<int64_t>("pair_products")
+                                  .Attr<int64_t>("quantized"));
 
 // ---------------------------------------------------------------------------------------
 // Backward: dQ, dK, dV of the same tiles (the xla backend's backward, fused). One item is a

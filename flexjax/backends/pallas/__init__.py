@@ -185,12 +185,18 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     return None
 
 
-def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists):
+def supports_quantized(spec, q, dtype) -> str | None:
+    """None: the decode kernel dequantizes int8 / float8_e4m3fn tiles as it loads them (to the
+    query's dtype, with their page's scale)."""
+    return None
+
+
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
     """``forward_with_residuals`` over page pools and a page table: the decode kernel reads each
-    tile from its page."""
+    tile from its page (``scales``: a quantized pool's (k_scale, v_scale) (num_pages, Hkv))."""
     o = _resolve(spec, q.shape[-1], q.dtype)
     return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists, o,
-                                          _mods(spec, o), page_table=page_table)
+                                          _mods(spec, o), page_table=page_table, scales=scales)
 
 
 def _template(o: KernelOptions):

@@ -100,10 +100,11 @@ def _packs(spec, g, s_pro, m_pro, tpu: bool) -> bool:
     return not tpu and g.Hm == 1 and all(x.shape[1] == 1 for p in (s_pro, m_pro) for x in p.cols)
 
 
-def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, pack: int):
+def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, pack: int, quant: bool = False):
     it = iter(refs)
     kv_n, kv_i, fkv_n, fkv_i = _take(it, 4)
     pt_ref = next(it) if paged else None
+    ks_ref, vs_ref = _take(it, 2) if quant else (None, None)
     q_ref, k_ref, v_ref = _take(it, 3)
     s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
     o_ref, m_ref, l_ref = _take(it, 3)
@@ -137,19 +138,23 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
         return Tile(b, h_rows, lax.rem(r, jnp.int32(g.q_len)), jnp.minimum(ki, g.kv_len - 1),
                     r < pack * g.q_len, ki < g.kv_len)
 
-    def load(ref, ks):
+    def load(ref, ks, scale_ref=None):
         if not paged:
             return ref[pl.ds(ks, g.tk), :]
         ps = ref.shape[1]
         page = pt_ref[b, _div(ks, ps)]
-        return ref[page, pl.ds(_rem(ks, ps), g.tk), kvh, :]
+        x = ref[page, pl.ds(_rem(ks, ps), g.tk), kvh, :]
+        if scale_ref is None:
+            return x
+        # A quantized pool: the codes times their page's scale, in the query's dtype.
+        return (x.astype(jnp.float32) * scale_ref[page, kvh]).astype(q.dtype)
 
     def body(masked, idx_ref, base):
         def step(t, carry):
             e = t - base
             entry = idx_ref[prog.bm, prog.hm(h), row, _div(e, sub)]
             ks = pl.multiple_of((entry * sub + _rem(e, sub)) * g.tk, g.tk)
-            k, v = load(k_ref, ks), load(v_ref, ks)
+            k, v = load(k_ref, ks, ks_ref), load(v_ref, ks, vs_ref)
             tl = tile(ks)
             return forward_tile(mods, carry, q, k, v, tl, scale, masked,
                                 prog.mod_inputs(s_refs, *s_uses, pro_h, q_start, ks),
@@ -168,11 +173,13 @@ def _kernel(*refs, g, mods: Mods, scale: float, shapes, per: int, paged: bool, p
     l_ref[...] = l
 
 
-def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: bool, pack: int, D: int, Dv: int):
+def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: bool, pack: int, D: int, Dv: int,
+                quant: bool = False):
     it = iter(refs)
     kv_n, kv_i, fkv_n, fkv_i = _take(it, 4)
     pt_ref = next(it) if paged else None
     q_ref, k_hbm, v_hbm = _take(it, 3)
+    ks_ref, vs_ref = _take(it, 2) if quant else (None, None)
     s_refs, m_refs = _pro_refs(it, shapes[0]), _pro_refs(it, shapes[1])
     o_ref, m_ref, l_ref, kbuf, vbuf, sem = _take(it, 6)
     b, hh, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -225,6 +232,11 @@ def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: 
                     cp.start()
 
             ks = block(e) * tk
+            kt, vt = kbuf[slot], vbuf[slot]
+            if quant:  # a quantized pool: the codes times their page's scale (SMEM), in q's dtype
+                page = jnp.clip(pt_ref[b, _div(ks, k_hbm.shape[1])], 0, k_hbm.shape[0] - 1)
+                kt = (kt.astype(jnp.float32) * ks_ref[page, kvh]).astype(q_ref.dtype)
+                vt = (vt.astype(jnp.float32) * vs_ref[page, kvh]).astype(q_ref.dtype)
             if pack > 1:
                 r = lax.broadcasted_iota(jnp.int32, (tq, tk), 0)
                 ki = ks + lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
@@ -232,7 +244,7 @@ def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: 
                           ki < g.kv_len)
             else:
                 tl = tile_indices(b, h, 0, ks, tq, tk, g.q_len, g.kv_len, full_2d=True)
-            return forward_tile(mods, carry, q_ref[...], kbuf[slot], vbuf[slot], tl, scale, masked,
+            return forward_tile(mods, carry, q_ref[...], kt, vt, tl, scale, masked,
                                 inputs(s_refs, mods.score, ks), inputs(m_refs, mods.mask, ks))
 
         return step
@@ -247,7 +259,7 @@ def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: 
     l_ref[...] = l
 
 
-def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_table):
+def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_table, scales=None):
     """The TPU kernel's (acc (chunks, B, tq, H, Dv), max, sum (chunks, B, H, tq, 1)), as the GPU template's."""
     B, tq, H, D = qp.shape
     Dv = v.shape[-1]
@@ -269,8 +281,10 @@ def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_
                 + [pl.BlockSpec((None, None, 1, g.skv), at(u)) for u in cm.col_uses])
 
     pro_args = (*s_pro.rows, *s_pro.cols, *m_pro.rows, *m_pro.cols)
+    quant = scales is not None
+    smem = [pl.BlockSpec(memory_space=pltpu.SMEM)] * 2 if quant else []
     in_specs = ([pl.BlockSpec((None, None, tq, D), lambda b, hh, c, *_: (b, hh, 0, 0)),
-                 pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+                 pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)] + smem
                 + pro_specs(mods.score, s_pro) + pro_specs(mods.mask, m_pro))
     vec = pl.BlockSpec((None, None, None, tq, 1), lambda b, hh, c, *_: (c, b, hh, 0, 0))
     out_specs = [pl.BlockSpec((None, None, None, tq, Dv), lambda b, hh, c, *_: (c, b, hh, 0, 0)), vec, vec]
@@ -279,22 +293,24 @@ def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_
         scratch_shapes=[pltpu.VMEM((2, g.tk, D), k.dtype), pltpu.VMEM((2, g.tk, Dv), v.dtype),
                         pltpu.SemaphoreType.DMA((2, 2))])
     kernel = functools.partial(_tpu_kernel, g=g, mods=mods, scale=scale, shapes=(s_pro, m_pro), chunks=chunks,
-                               paged=paged, pack=pack, D=D, Dv=Dv)
+                               paged=paged, pack=pack, D=D, Dv=Dv, quant=quant)
     vec_shape = jax.ShapeDtypeStruct((chunks, B, H, tq, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((chunks, B, H, tq, Dv), jnp.float32), vec_shape, vec_shape],
         interpret=o.interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         name="flexjax_decode",
-    )(*lists.by_q, *([page_table] if paged else []), qt, kf, vf, *pro_args)
+    )(*lists.by_q, *([page_table] if paged else []), qt, kf, vf, *(scales or ()), *pro_args)
     return acc.transpose(0, 1, 3, 2, 4), m, l
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods: Mods, page_table=None):
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods: Mods, page_table=None,
+                           scales=None):
     """out (B, Sq, Hq, Dv), lse and the rows' ``Residuals``.
 
     ``page_table``: int32 (B, max_pages) when k and v are page pools (num_pages,
     page_size, Hkv, .) in logical positions (``spec.kv_len = max_pages * page_size``).
+    ``scales``: an int8 / float8_e4m3fn pool's (k_scale, v_scale), float32 (num_pages, Hkv).
     """
     B, Sq, Hq, D = q.shape
     Dv = v.shape[-1]
@@ -332,7 +348,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
     H, Gp = (g.Hkv, 1) if pack > 1 else (Hq, G)
     nqt = 1 if pack > 1 else -(-Sq // tq)
     if tpu:
-        acc, m, l = _tpu_call(g, mods, spec.scale, qp, k, v, lists, s_pro, m_pro, o, pack, page_table)
+        acc, m, l = _tpu_call(g, mods, spec.scale, qp, k, v, lists, s_pro, m_pro, o, pack, page_table, scales)
         return _merge(acc, m, l, q, pack, Sq, G, g.Hkv, Hq, Dv)
     width = (lists.kv_idx.shape[-1] + lists.full_kv_idx.shape[-1]) * g.sub_k
     chunks = max(1, min(_CHUNKS, width))
@@ -340,7 +356,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
     pro_args = (*s_pro.rows, *s_pro.cols, *s_pro.arrays, *m_pro.rows, *m_pro.cols, *m_pro.arrays)
     if paged:
         kv_specs = [_whole(k), _whole(v)]
-        head = [page_table]
+        head = [page_table, *(scales or ())]
     else:
         kv_specs = [pl.BlockSpec((None, g.skv, None, x.shape[-1]), lambda c, i, bh: (bh // H, 0, (bh % H) // Gp, 0))
                     for x in (k, v)]
@@ -352,7 +368,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, m
     out_specs = [pl.BlockSpec((None, None, tq, None, Dv), lambda c, i, bh: (c, bh // H, i, bh % H, 0)), vec, vec]
     vec_shape = jax.ShapeDtypeStruct((chunks, B, H, nqt * tq, 1), jnp.float32)
     kernel = functools.partial(_kernel, g=g, mods=mods, scale=spec.scale, shapes=(s_pro, m_pro), per=per,
-                               paged=paged, pack=pack)
+                               paged=paged, pack=pack, quant=scales is not None)
     acc, m, l = pl.pallas_call(
         kernel, grid=(chunks, nqt, B * H), in_specs=in_specs, out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((chunks, B, nqt * tq, H, Dv), jnp.float32), vec_shape, vec_shape],
