@@ -202,3 +202,95 @@ def test_ragged_bad_input():
         paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, backend="triton_nonexistent")
     with pytest.raises(ValueError, match="k_new / v_new"):
         paged.write_and_attend(q, q, q, k_pages, v_pages, table, KV_LENS, cu)
+
+
+def test_tree_mask_dense():
+    """masks.tree: node i sees the prefix and its ancestors (itself included); queries before
+    the tree are causal."""
+    parents = np.array([-1, 0, 0, 1, 1, 2, -1, 6], np.int32)
+    P = 5
+    dense = np.asarray(flexjax.create_mask(masks.tree(parents, P), 1, 1, P + 8, P + 8)[0, 0])
+    want = np.tril(np.ones((P + 8, P + 8), bool))
+    want[P:, P:] = False
+    for i in range(8):
+        j = i
+        while j >= 0:
+            want[P + i, P + j] = True
+            j = parents[j]
+    np.testing.assert_array_equal(dense, want)
+    with pytest.raises(ValueError, match="parent must be -1 or an earlier node"):
+        masks.tree(np.array([-1, 2, 0]), P)
+    with pytest.raises(TypeError, match="integer array"):
+        masks.tree(np.array([-1.0, 0.0]), P)
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_speculative_tree_verify(backend):
+    """Verifying draft trees in a ragged call: each sequence's new tokens are its tree's nodes
+    (a (num_seqs, n) parent array, traced), b picks the sequence's tree; equal to the
+    per-sequence reference. A 40-node tree needs two ancestor words per node."""
+    cu, table, k_pages, v_pages, _, slopes = _setup()
+    rng = np.random.default_rng(4)
+    n = 40
+    parents = np.stack([np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, n)], np.int32)
+                        for _ in range(3)])
+    kv = np.array([45, 41, 90], np.int32)
+    q_lens = np.array([n, 1, n], np.int32)  # the middle sequence decodes one token
+    cu = _cu(q_lens)
+    table = jnp.asarray(paged.page_table_for(kv, PS, MAX_PAGES, num_pages=NUM_PAGES, seed=2))
+    q = jax.random.normal(jax.random.key(11), (int(cu[-1]), HQ, D))
+    verify = jax.jit(lambda q, parents, kv: paged.flex_attention_ragged(
+        q, k_pages, v_pages, table, kv, cu, score_mod=_alibi(slopes),
+        mask_mod=masks.tree(parents, kv - q_lens), backend=backend))
+    got = verify(q, parents, kv)
+    truth, _ = _per_sequence(q, k_pages, v_pages, table, kv, cu, _alibi(slopes), masks.tree(parents, kv - q_lens))
+    assert_close("tree", got, truth, truth, jnp.float32)
+
+
+def test_serving_loop_one_compile():
+    """A continuous-batching loop of 50 steps: sequences join with prompts of varying length
+    (prefilled in chunks of at most 16), decode, finish and free their pages; the step
+    (reserve, write_and_attend, the pools donated) compiles once. The last step's output
+    equals the per-sequence reference over the pages as written."""
+    S, T, CHUNK = 4, 24, 16
+    num_pages, ps, max_pages = 32, 16, 8
+    k_pages, v_pages = paged.allocate(num_pages, ps, HKV, D)
+    table = jnp.full((S, max_pages), -1, jnp.int32)
+    free = jnp.ones(num_pages, bool)
+
+    @jax.jit
+    def step(q, k_new, v_new, k_pages, v_pages, table, free, lens, q_lens):
+        table, free, ok = paged.reserve(table, free, lens, ps)
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
+        out, k_pages, v_pages = paged.write_and_attend(q, k_new, v_new, k_pages, v_pages, table, lens, cu)
+        return out, k_pages, v_pages, table, free, ok
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(8, 40, S)  # tokens each sequence still has to prefill
+    lens = np.zeros(S, np.int32)
+    done_at = rng.integers(60, 100, S)
+    for t in range(50):
+        q_lens = np.where(prompt > 0, np.minimum(prompt, CHUNK), 1).astype(np.int32)
+        while q_lens.sum() > T:  # the step's token budget: defer the last prefill
+            i = int(np.nonzero(q_lens > 1)[0][-1])
+            q_lens[i] = max(1, q_lens[i] - (q_lens.sum() - T))
+        prompt = np.maximum(prompt - q_lens, 0)
+        lens = lens + q_lens
+        ks = jax.random.split(jax.random.key(t), 3)
+        q, k_new, v_new = (jax.random.normal(x, (T, h, D)) for x, h in zip(ks, (HQ, HKV, HKV)))
+        out, k_pages, v_pages, table, free, ok = step(q, k_new, v_new, k_pages, v_pages, table, free,
+                                                      jnp.asarray(lens), jnp.asarray(q_lens))
+        assert bool(ok)
+        finished = lens >= done_at
+        if finished.any():  # a finished sequence frees its pages; a new one takes its row
+            table, free = paged.release(table, free, jnp.asarray(finished))
+            lens = np.where(finished, 0, lens).astype(np.int32)
+            prompt = np.where(finished, rng.integers(8, 40, S), prompt)
+    assert step._cache_size() == 1
+    cu = _cu(q_lens)
+    truth, _ = _per_sequence(q, k_pages, v_pages, jnp.maximum(table, 0), lens, cu, None, None)
+    live = np.nonzero(~finished)[0]
+    assert live.size
+    for i in live:
+        np.testing.assert_allclose(np.asarray(out[cu[i]:cu[i + 1]]), np.asarray(truth[cu[i]:cu[i + 1]]),
+                                   atol=2e-6, rtol=1e-5)

@@ -11,6 +11,7 @@ from .document import segment_ids_from_cu_seqlens as segment_ids_from_cu_seqlens
 from .padding import padding as padding
 from .prefix_lm import prefix_lm as prefix_lm
 from .sliding_window import sliding_window as sliding_window
+from .tree import tree as tree
 
 __all__ = [
     "causal",
@@ -24,4 +25,5 @@ __all__ = [
     "prefix_lm",
     "segment_ids_from_cu_seqlens",
     "sliding_window",
+    "tree",
 ]
