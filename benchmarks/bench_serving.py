@@ -80,7 +80,7 @@ def calls(q, k_pages, v_pages, table, q_lens, kv_lens, n_prefill: int):
     lens = jnp.asarray(kv_lens)
     ql = jnp.asarray(q_lens)
     kv_cap = table.shape[1] * k_pages.shape[1]
-    B, Hq, D = len(q_lens), q.shape[1], q.shape[2]
+    B = len(q_lens)
     longest = int(q_lens[:n_prefill].max()) if n_prefill else 1
     bs = (128, min(128, k_pages.shape[1]))
 

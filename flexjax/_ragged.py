@@ -31,6 +31,7 @@ import numpy as np
 
 from ._block_mask_type import EMPTY, FULL, PARTIAL, lists_from_states
 from ._factory import int_array
+from ._paged_core import _logical_like, _page_table, _paged, _write_slots
 from ._spec import AttentionSpec, check_sinks, results
 from ._trace import trace_mod
 from .backends import available_backends, get_backend
@@ -149,8 +150,6 @@ def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths, q_dtype):
 
 def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
                bkv, kernel_options, scales):
-    from .paged import _logical_like, _paged
-
     T, Hq, D = query.shape
     N, bq = tiles.seq.shape[0], tiles.bq
     kv_len = pt.shape[1] * k_pages.shape[1]
@@ -218,8 +217,6 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
       ValueError: a malformed layout (checked eagerly for concrete arguments, at run time
         through a host callback under jit).
     """
-    from .paged import _page_table
-
     paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
     if backend is not None and backend not in paged_backends:
         raise NotImplementedError(f"flex_attention_ragged has {' and '.join(paged_backends)} paths; got "
@@ -251,7 +248,6 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         raise ValueError(f"cu_q_lens must be int32 (num_seqs + 1 = {S + 1},), got shape {cu.shape}")
     from ._quant import check_scales
     from ._spec import check_qkv
-    from .paged import _logical_like
     scales = check_scales(k_pages, v_pages, k_scale, v_scale)
     check_qkv(query[None], *_logical_like(1, k_pages.shape[1], k_pages, v_pages, query.dtype if scales else None))
     sinks = check_sinks(sinks, Hq)
@@ -316,8 +312,6 @@ def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengt
     tokens are quantized as they are written, and ``(out, k_pages, v_pages, k_scale,
     v_scale)`` comes back (per-page scales may have grown).
     """
-    from .paged import _page_table, _write_slots
-
     k_new, v_new = jnp.asarray(k_new), jnp.asarray(v_new)
     T = query.shape[0] if hasattr(query, "shape") and query.ndim == 3 else None
     if (k_new.ndim != 3 or v_new.ndim != 3 or k_new.shape[0] != T or v_new.shape[0] != T

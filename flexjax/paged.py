@@ -18,7 +18,6 @@ the table); ``write`` puts new tokens into their pages.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -27,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _dropout, _quant
-from ._quant import dequantize, quantize  # noqa: F401 (public here)
 from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows are public here)
     EMPTY,
     FULL,
@@ -41,6 +39,8 @@ from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows
     select_rows,
 )
 from ._factory import int_array
+from ._paged_core import _logical_like, _page_table, _paged, _write_slots, gather  # noqa: F401
+from ._quant import dequantize, quantize  # noqa: F401 (public here)
 from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
 from .backends import available_backends, get_backend
@@ -53,14 +53,6 @@ def _per_sequence(name: str, x, B: int) -> jax.Array:
     if arr.shape not in ((), (B,)):
         raise ValueError(f"{name} must be a scalar or of shape (B={B},), got shape {arr.shape}")
     return jnp.broadcast_to(arr, (B,))
-
-
-def _page_table(page_table, B: int | None = None) -> jax.Array:
-    pt = int_array("page_table", page_table, "(B, max_pages)")
-    if pt.ndim != 2 or (B is not None and pt.shape[0] != B):
-        raise ValueError(f"page_table must be int32 (B{'' if B is None else f'={B}'}, max_pages), got shape "
-                         f"{pt.shape}")
-    return pt
 
 
 def _free_map(free_pages) -> jax.Array:
@@ -217,31 +209,6 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None
     slot = logical % ps
     return _write_slots(k_pages, v_pages, page.reshape(-1), slot.reshape(-1), k_new.reshape(-1, *k_new.shape[2:]),
                         v_new.reshape(-1, *v_new.shape[2:]), k_scale, v_scale)
-
-
-def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale):
-    """Tokens (N, Hkv, .) into (page[n], slot[n]) (a page past the pool drops the token)."""
-    scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
-    if scales is None:
-        return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
-                v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"))
-    # Per-head scales stay as given (their shape too); per-page ones may grow.
-    ks = k_scale if jnp.ndim(k_scale) == 1 else scales[0]
-    vs = v_scale if jnp.ndim(v_scale) == 1 else scales[1]
-    k_pages, ks = _quant.write_quantized(k_pages, ks, page, slot, k_new)
-    v_pages, vs = _quant.write_quantized(v_pages, vs, page, slot, v_new)
-    return k_pages, v_pages, ks, vs
-
-
-def gather(pages, page_table, scale=None) -> jax.Array:
-    """The contiguous logical cache (B, max_pages * page_size, kv_heads, .) of a pool (for
-    tests); a quantized pool with its ``scale`` comes back dequantized, float32."""
-    B, mp = page_table.shape
-    x = pages[page_table]
-    if scale is not None:
-        s = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (pages.shape[0], pages.shape[2]))
-        x = x.astype(jnp.float32) * s[page_table][:, :, None, :, None]
-    return x.reshape(B, mp * pages.shape[1], *pages.shape[2:])
 
 
 def _with_lengths(bm: BlockMask, kv_lengths, B: int):
@@ -419,57 +386,5 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     return results(out, lse, max_scores, sinks, return_lse, return_aux)
 
 
-def _logical_like(B: int, kv_len: int, k_pages, v_pages, dtype=None):
-    """Shapes of the contiguous (B, kv_len, Hkv, D) cache the pools stand for (for the
-    backends' checks); ``dtype``: a quantized pool's, the dtype it is dequantized to."""
-    return tuple(jax.ShapeDtypeStruct((B, kv_len) + x.shape[2:], dtype or x.dtype) for x in (k_pages, v_pages))
-
-
-def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
-    page_table, scales = extra
-    kw = {} if scales is None else {"scales": scales}
-    return get_backend(name).paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
-                                           **kw)
-
-
-# Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
-# linear map whose transpose is the backend's hand-written backward. Both run on the logical
-# cache gathered through the page table (decode is mostly inference); ``jax.jvp`` runs the
-# xla backend's blockwise tangent pass, ``jax.grad`` only the backward.
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
-    """``extra``: (page_table, scales), scales None or a quantized pool's (k_scale, v_scale)."""
-    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
-    row_max = residuals.row_max  # max_scores, as flex_attention's
-    return out, lse, row_max
-
-
-def _paged_jvp(name, spec, primals, tangents):
-    from ._autodiff import attention_jvp
-
-    def forward(q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
-        return _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
-
-    def scatter(d, pages, extra):
-        d = d.reshape(d.shape[0], -1, pages.shape[1], *d.shape[2:])
-        return jnp.zeros(pages.shape, d.dtype).at[extra[0]].add(d)
-
-    def logical(which):
-        def f(pages, extra):
-            page_table, scales = extra
-            if scales is None:
-                return gather(pages, page_table)
-            # A quantized pool: dequantized (its pages get no gradient: integer tangents).
-            return gather(pages, page_table, scales[which]).astype(primals[0].dtype)
-        return f
-
-    return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=logical(0),
-                         logical_v=logical(1), from_logical=scatter)
-
-
-_paged.defjvp(_paged_jvp, symbolic_zeros=True)
-
-
 # Mixed prefill / decode batches (continuous batching) over the same pools.
-from ._ragged import flex_attention_ragged, write_and_attend  # noqa: E402,F401
+from ._ragged import flex_attention_ragged, write_and_attend  # noqa: E402,F401 (public here)

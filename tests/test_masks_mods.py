@@ -609,6 +609,7 @@ def test_public_names():
         "prefix_lm",
         "segment_ids_from_cu_seqlens",
         "sliding_window",
+        "tree",
     ]
     assert sorted(mods.__all__) == [
         "alibi",

@@ -69,10 +69,11 @@ def _per_sequence(q, k_pages, v_pages, table, kv_lens, cu, score_mod, mask_mod, 
     return outs, lses
 
 
+# (make test's budget: one case by default; the others in make test-all.)
 @pytest.mark.parametrize("backend,mask_name,dtype", [
-    ("xla", "causal", jnp.float32),
+    pytest.param("xla", "causal", jnp.float32, marks=pytest.mark.slow),
     ("xla", "window", jnp.bfloat16),
-    ("pallas", "window", jnp.float32),
+    pytest.param("pallas", "window", jnp.float32, marks=pytest.mark.slow),
     pytest.param("pallas", "causal", jnp.float16, marks=pytest.mark.slow),
     pytest.param("xla", "causal", jnp.float16, marks=pytest.mark.slow),
 ])
@@ -130,6 +131,7 @@ def test_ragged_reads_only_reachable_pages():
     np.testing.assert_allclose(np.asarray(got[rows]), np.asarray(want[rows]), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # (make test's budget: test_speculative_tree_verify reads per-sequence tables by b too)
 def test_ragged_mods_see_sequence_index():
     """``b`` is the sequence: a per-sequence table read by b (a prefix length per sequence,
     prefix-LM in logical positions) gives each sequence its own mask."""
