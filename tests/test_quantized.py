@@ -2,7 +2,7 @@
 
 Against flex_attention on the dequantized pool (what the kernels must compute, up to
 float32 rounding) and against the float pool (the quantization error, within the bound
-the README states: |out - out_float| <= eps_v + max|v| (exp(2 delta) - 1), delta =
+docs/decoding.md states: |out - out_float| <= eps_v + max|v| (exp(2 delta) - 1), delta =
 scale * max_row ||q||_1 * eps_k, eps the largest element error of the dequantized pools).
 """
 
@@ -33,7 +33,7 @@ def _no_cpu_kernel(monkeypatch):
 
 
 def _bound(q, k, v, kd, vd, scale):
-    """The README's bound on |out(quantized) - out(float)| for a Lipschitz-1 score_mod."""
+    """The stated bound (docs/decoding.md) on |out(quantized) - out(float)| for a Lipschitz-1 score_mod."""
     eps_k = float(jnp.abs(kd - k).max())
     eps_v = float(jnp.abs(vd - v).max())
     delta = scale * float(jnp.abs(q.astype(jnp.float32)).sum(-1).max()) * eps_k

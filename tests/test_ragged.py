@@ -296,3 +296,18 @@ def test_serving_loop_one_compile():
     for i in live:
         np.testing.assert_allclose(np.asarray(out[cu[i]:cu[i + 1]]), np.asarray(truth[cu[i]:cu[i + 1]]),
                                    atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.slow  # (make test's budget: test_serving_loop_one_compile runs a longer loop)
+def test_readme_serving_loop_runs():
+    """The README's continuous-batching loop runs as printed, and compiles once."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Continuous batching", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    env = {}
+    exec(compile(code, "README.md", "exec"), env)
+    assert env["step"]._cache_size() == 1
+    assert bool(env["ok"]) and not bool(jnp.isnan(env["out"]).any())
