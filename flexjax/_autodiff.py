@@ -45,7 +45,8 @@ def _same_grad(d, like, extra):
 
 
 def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: Callable = lambda extra: None,
-                  logical: Callable = _same, from_logical: Callable = _same_grad, logical_v: Callable | None = None):
+                  logical: Callable = _same, from_logical: Callable = _same_grad, logical_v: Callable | None = None,
+                  backward: Callable | None = None):
     """The JVP of ``(out, lse, row_max) = attention(q, k, v, score_consts, mask_consts, lists, extra)``.
 
     Args:
@@ -63,6 +64,9 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
       from_logical: ``from_logical(d, like, extra)``: a gradient of the logical k / v back in
         the layout of ``like`` (pages scattered back).
       logical_v: ``logical`` for v where it differs from k's (a quantized pool's own scales).
+      backward: ``backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts,
+        lists, grad_consts, extra) -> (dq, dk, dv, dscore)`` in k / v's own layout (a paged
+        cache's pools: no logical cache is formed); None: ``impl.backward`` on ``logical``.
     """
     logical_k, logical_v = logical, logical_v or logical
     q, k, v, score_consts, mask_consts, lists, extra = primals
@@ -91,6 +95,10 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
     def transpose_map(*args):
         q_, k_, v_, out_, lse_, sc, mc, ls, ex, resid = unflatten(args[:len(res_flat)])
         dout, dlse = args[len(res_flat):]
+        if backward is not None:
+            dq, dk, dv, dscore = backward(spec, q_, k_, v_, out_, lse_, dout, dlse, sc, mc, ls, has_c, ex)
+            cts = tuple(g.astype(x.dtype) for g, x, h in zip((dq, dk, dv), (q_, k_, v_), has_qkv) if h)
+            return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)
         dq, dk, dv, dscore = impl.backward(spec, q_, logical_k(k_, ex), logical_v(v_, ex), out_, lse_, dout, dlse, sc,
                                            mc, ls, has_c, resid, dropout_seed=seed_of(ex))
         grads = (dq, from_logical(dk, k_, ex), from_logical(dv, v_, ex))

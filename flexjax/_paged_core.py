@@ -60,9 +60,10 @@ def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, l
 
 
 # Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
-# linear map whose transpose is the backend's hand-written backward. Both run on the logical
-# cache gathered through the page table (decode is mostly inference); ``jax.jvp`` runs the
-# xla backend's blockwise tangent pass, ``jax.grad`` only the backward.
+# linear map whose transpose is the backward. The backward reads the pools through the page
+# table (``_decode.paged_backward``, one XLA loop for every backend, no logical cache); the
+# tangent pass (``jax.jvp``: the xla backend's blockwise pass) runs on the logical cache
+# gathered through the table. ``jax.grad`` runs only the backward.
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
@@ -91,8 +92,15 @@ def _paged_jvp(name, spec, primals, tangents):
             return gather(pages, page_table, scales[which]).astype(primals[0].dtype)
         return f
 
+    def backward(spec, q, k_pages, v_pages, out, lse, dout, dlse, sc, mc, lists, grad_consts, extra):
+        # Gather-free: the pools are read (and their gradients added) through the table.
+        from .backends import _decode
+        page_table, scales = extra
+        return _decode.paged_backward(spec, q, k_pages, v_pages, page_table, out, lse, dout, dlse, sc, mc, lists,
+                                      grad_consts, scales)
+
     return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=logical(0),
-                         logical_v=logical(1), from_logical=scatter)
+                         logical_v=logical(1), from_logical=scatter, backward=backward)
 
 
 _paged.defjvp(_paged_jvp, symbolic_zeros=True)

@@ -288,8 +288,10 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     contiguous with ``KV_LEN = max_pages * page_size``; the result equals
     ``flexjax.flex_attention`` on ``gather(k_pages, page_table)`` with keys at or past
     ``kv_lengths[b]`` masked. Only the pages of non-empty tiles are read (tiles past a
-    sequence's length are skipped at run time); the backward and the forward-mode tangent
-    (``jax.jvp``) gather the logical cache.
+    sequence's length are skipped at run time). ``jax.grad`` reads the pages through the
+    table too (``backends._decode.paged_backward``, whatever the backend: the pools'
+    gradients are added at the rows read); the forward-mode tangent (``jax.jvp``) gathers
+    the logical cache.
 
     Args:
       query: (B, Sq, Hq, D).

@@ -525,3 +525,42 @@ def test_reserve_and_release_serve_growing_sequences():
         paged.reserve(table, jnp.ones(num_pages, jnp.int32), 3, ps)
     with pytest.raises(ValueError, match="new_lengths"):
         paged.reserve(table, free, jnp.zeros(3, jnp.int32), ps)
+
+
+def test_paged_backward_reads_pages_through_the_table():
+    """jax.grad of a paged call forms no logical cache: no value of its jaxpr (the backward's
+    included) has an axis of max_pages * page_size positions; its gradients still equal those
+    of flex_attention on the gathered cache."""
+    lengths, table, k_pages, v_pages, q, do, slopes = _setup(2)
+    table = jnp.pad(table, ((0, 0), (0, 31)))  # 37 logical pages: a capacity of 1184 positions
+    cap = table.shape[1] * PS
+
+    def loss(q, k_pages, v_pages, slopes):
+        o = paged.flex_attention(q, k_pages, v_pages, table, lengths, _alibi(slopes))
+        return jnp.sum(o * do)
+
+    grad = jax.grad(loss, (0, 1, 2, 3))
+    jaxpr = jax.make_jaxpr(grad)(q, k_pages, v_pages, slopes)
+
+    def shapes(jx):
+        for eqn in jx.eqns:
+            for v in eqn.outvars:
+                yield getattr(v.aval, "shape", ())
+            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+                yield from shapes(sub)
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    yield from shapes(inner)
+
+    assert not [s for s in shapes(jaxpr.jaxpr) if cap in s]
+    got = grad(q, k_pages, v_pages, slopes)
+
+    def loss_gathered(q, k_pages, v_pages, slopes):
+        K, V = paged.gather(k_pages, table), paged.gather(v_pages, table)
+        mask = flexjax.create_block_mask(masks.padding(lengths), B, None, q.shape[1], cap)
+        o = flexjax.flex_attention(q, K, V, _alibi(slopes), block_mask=mask, backend="reference")
+        return jnp.sum(o * do)
+
+    want = jax.grad(loss_gathered, (0, 1, 2, 3))(q, k_pages, v_pages, slopes)
+    assert_close("grads", got, want, want, jnp.float32)
