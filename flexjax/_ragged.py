@@ -50,11 +50,18 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+# Whether traced layouts are checked at run time (a host callback). A compile for a GPU from a
+# host without one cannot lower a host callback: tests_compile/decode_suite.py turns it off.
+RUNTIME_CHECKS = True
+
+
 def _fail_on_host(ok, fail, *args):
     """Raises ``fail(*args)`` when ``ok`` is False: eagerly now, under jit when it runs."""
     if not isinstance(ok, jax.core.Tracer):
         if not bool(ok):
             fail(*(np.asarray(a) for a in args))
+        return
+    if not RUNTIME_CHECKS:
         return
     jax.lax.cond(ok, lambda *a: None, lambda *a: jax.debug.callback(fail, *a), *args)
 
@@ -157,7 +164,8 @@ def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_
     Hm = Hq if "h" in user_mask.static().uses else 1
     lists = TileLists(*lists_from_states(_tile_states(user_mask, tiles, lengths, Hm, bkv, nkv)))
     score, score_consts, mask, mask_consts = _wrap_mods(score_mod, mask_mod, tiles, lengths, query.dtype)
-    spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=bq, kv_len=kv_len, block_size=(bq, bkv),
+    # (The q block: the tile, at least 16 rows, the least a Triton tile takes; one q block a row.)
+    spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=bq, kv_len=kv_len, block_size=(max(bq, 16), bkv),
                          kernel_options=tuple(sorted((kernel_options or {}).items())))
     impl = get_backend(name)
     impl.validate_options(spec)
@@ -262,7 +270,10 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bkv = math.gcd(ps, 128)
     G = Hq // k_pages.shape[2]
-    wide = min(max(16, WIDE_ROWS // G), 64, 1 << max(0, (T - 1).bit_length()))
+    impl = get_backend(backend or "xla")
+    # A backend may want fewer packed rows (pallas on cuda in float32: its shared memory).
+    rows = impl.ragged_rows(query.dtype, kernel_options or {}) if hasattr(impl, "ragged_rows") else WIDE_ROWS
+    wide = min(max(16, rows // G), 64, 1 << max(0, (T - 1).bit_length()))
     narrow = min(NARROW_Q, wide)
     user_mask = trace_mod(mask_mod if mask_mod is not None else _causal, "mask", arg_name="mask_mod")
     wide_tiles, narrow_tiles, is_narrow, starts = _plan(cu, lengths, T, S, wide, narrow)

@@ -7,7 +7,11 @@ score_mod {none, soft-cap, ALiBi (reads h), a captured bias along kv_idx} x {con
 paged}, B=2, Hq=8, Hkv=2, D=128, a 4096-token cache, 256-token pages; on cuda also a
 per-head table read by h and kv_idx - q_idx. TPU's kernel packs the heads of a GQA group
 only for mods that do not read h (ALiBi: one program per head), the GPU template for all of
-these (each row's head a tile). Every case must compile (Mosaic; Triton through XLA's GPU
+these (each row's head a tile). Then the serving calls: ``paged.flex_attention_ragged`` over a
+mixed batch (4 sequences, 64 packed tokens: prefill chunks and decode steps), {bfloat16,
+float32} x {causal, sliding window} x score_mod {none, soft-cap}, on float pools and on int8
+and float8_e4m3fn pools with per-(page, head) scales (dequantized in the kernels), and the
+plain paged step on an int8 pool. Every case must compile (Mosaic; Triton through XLA's GPU
 compiler) and take the decode kernel; it prints one line per case (the packing of each call)
 and exits non-zero on any failure.
 
@@ -113,6 +117,74 @@ def _suite(target: str, used: list) -> int:
         fails += status != "ok"
         print(f"{target} {jnp.dtype(dt).name} Sq={sq} {mname}, {sname}, {kind}: {status} (packed heads: {used}) "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return fails + _serving(target, mesh, used)
+
+
+# The serving calls' batch: 4 sequences of a 4096-token capacity, 64 packed new tokens.
+S, T = 4, 64
+
+
+def _compile(mesh, f, args, used):
+    used.clear()
+    t0 = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            jax.jit(f).trace(*args).lower().compile()
+        status = "ok" if used else "FAIL: the decode kernel did not serve the call"
+    except Exception as e:  # noqa: BLE001  (every compile error is a reported failure)
+        status = "FAIL: " + next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
+    return status, time.perf_counter() - t0
+
+
+def _serving(target: str, mesh, used: list) -> int:
+    from flexjax import _ragged
+
+    # (The layout's run-time check is a host callback, which a cuda compile on this GPU-less
+    # host cannot lower.)
+    _ragged.RUNTIME_CHECKS = target != "cuda"
+    sh = NamedSharding(mesh, P())
+    opts = {"target": target}
+    num_pages = S * L // PS
+    mask_mods = {"causal": None, "window 1024": masks.sliding_window(1024)}
+    scores = {"none": None, "soft-cap": mods.soft_cap(30.0)}
+    fails = 0
+    cases = [(dt, m, sc, pool) for dt in (jnp.bfloat16, jnp.float32) for m in mask_mods for sc in scores
+             for pool in ("float", "int8", "float8_e4m3fn")]
+    for dt, mname, sname, pool in cases:
+        quant = pool != "float"
+
+        def call(q, kp, vp, table, lens, cu, ks, vs, mname=mname, sname=sname, quant=quant):
+            kw = dict(k_scale=ks, v_scale=vs) if quant else {}
+            return paged.flex_attention_ragged(q, kp, vp, table, lens, cu, score_mod=scores[sname],
+                                               mask_mod=mask_mods[mname], backend="pallas", kernel_options=opts, **kw)
+
+        pool_dt = dt if not quant else jnp.dtype(pool)
+        kv = jax.ShapeDtypeStruct((num_pages, PS, HKV, D), pool_dt, sharding=sh)
+        args = (jax.ShapeDtypeStruct((T, HQ, D), dt, sharding=sh), kv, kv,
+                jax.ShapeDtypeStruct((S, L // PS), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sh), jax.ShapeDtypeStruct((S + 1,), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((num_pages, HKV), jnp.float32, sharding=sh),
+                jax.ShapeDtypeStruct((num_pages, HKV), jnp.float32, sharding=sh))
+        status, secs = _compile(mesh, call, args, used)
+        fails += status != "ok"
+        print(f"{target} {jnp.dtype(dt).name} ragged {mname}, {sname}, {pool} pool: {status} (packed heads: {used}) "
+              f"{secs:.1f} s", flush=True)
+    # The plain paged decode step on an int8 pool.
+    for dt in (jnp.bfloat16, jnp.float32):
+        def step(q, kp, vp, table, lens, ks, vs):
+            return paged.flex_attention(q, kp, vp, table, lens, mods.soft_cap(30.0), backend="pallas",
+                                        kernel_options=opts, k_scale=ks, v_scale=vs)
+
+        kv = jax.ShapeDtypeStruct((B * L // PS, PS, HKV, D), jnp.int8, sharding=sh)
+        args = (jax.ShapeDtypeStruct((B, 1, HQ, D), dt, sharding=sh), kv, kv,
+                jax.ShapeDtypeStruct((B, L // PS), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((B * L // PS, HKV), jnp.float32, sharding=sh),
+                jax.ShapeDtypeStruct((B * L // PS, HKV), jnp.float32, sharding=sh))
+        status, secs = _compile(mesh, step, args, used)
+        fails += status != "ok"
+        print(f"{target} {jnp.dtype(dt).name} Sq=1 paged step, soft-cap, int8 pool: {status} (packed heads: {used}) "
+              f"{secs:.1f} s", flush=True)
     return fails
 
 

@@ -185,6 +185,14 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     return None
 
 
+def ragged_rows(dtype, kernel_options: dict) -> int:
+    """Packed rows (queries x GQA group) of a ragged call's prefill tiles: 128, or 64 for
+    float32 on cuda, where 128 rows of float32 q, K, V and scores passed an H100 block's
+    shared memory (262656 of 232448 bytes, measured by tests_compile/decode_suite.py)."""
+    target = kernel_options.get("target", _host_target())
+    return 64 if target == "cuda" and jnp.dtype(dtype) == jnp.float32 else 128
+
+
 def supports_quantized(spec, q, dtype) -> str | None:
     """None: the decode kernel dequantizes int8 / float8_e4m3fn tiles as it loads them (to the
     query's dtype, with their page's scale)."""
