@@ -162,7 +162,8 @@ def _serving(target: str, mesh, used: list) -> int:
         kv = jax.ShapeDtypeStruct((num_pages, PS, HKV, D), pool_dt, sharding=sh)
         args = (jax.ShapeDtypeStruct((T, HQ, D), dt, sharding=sh), kv, kv,
                 jax.ShapeDtypeStruct((S, L // PS), jnp.int32, sharding=sh),
-                jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sh), jax.ShapeDtypeStruct((S + 1,), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((S + 1,), jnp.int32, sharding=sh),
                 jax.ShapeDtypeStruct((num_pages, HKV), jnp.float32, sharding=sh),
                 jax.ShapeDtypeStruct((num_pages, HKV), jnp.float32, sharding=sh))
         status, secs = _compile(mesh, call, args, used)

@@ -124,7 +124,6 @@ def _gather(x, start, scale, *, page_table, ps, skv, wg, hk, hkv, dt):
     which divides the page size); ``scale`` (num_pages, Hkv), a quantized pool's, multiplies
     the sub-tile (one scale per page and kv head).
     """
-    B = start.shape[0]
     if page_table is None:
         x_axis, row, page = 0, jnp.minimum(start, skv - wg), None
     else:
