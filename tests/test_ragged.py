@@ -311,3 +311,26 @@ def test_readme_serving_loop_runs():
     exec(compile(code, "README.md", "exec"), env)
     assert env["step"]._cache_size() == 1
     assert bool(env["ok"]) and not bool(jnp.isnan(env["out"]).any())
+
+
+@pytest.mark.slow  # (the TPU kernel in Pallas' interpreter: about 10 s)
+@pytest.mark.parametrize("pool", ["float", "int8"])
+def test_ragged_tpu_kernel_interpreted(pool):
+    """The TPU decode kernel (scalar-prefetched lists and page table, DMA'd tiles; an int8
+    pool's scales in SMEM) serves the ragged call exactly in interpret mode (D=128)."""
+    d = 128
+    cu = _cu(Q_LENS)
+    table = jnp.asarray(paged.page_table_for(KV_LENS, PS, MAX_PAGES, num_pages=NUM_PAGES, seed=0))
+    ks = jax.random.split(jax.random.key(0), 3)
+    k_pages, v_pages = (jax.random.normal(x, (NUM_PAGES, PS, HKV, d)) for x in ks[:2])
+    q = jax.random.normal(ks[2], (int(cu[-1]) + 2, HQ, d))
+    kw = {}
+    if pool == "int8":
+        k_pages, k_scale = paged.quantize(k_pages, "int8")
+        v_pages, v_scale = paged.quantize(v_pages, "int8")
+        kw = dict(k_scale=k_scale, v_scale=v_scale)
+    call = lambda **o: paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu,  # noqa: E731
+                                                   mask_mod=_window, **kw, **o)
+    got = call(backend="pallas", kernel_options={"target": "tpu", "interpret": True})
+    want = call(backend="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
