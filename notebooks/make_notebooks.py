@@ -853,8 +853,9 @@ plt.show()'''),
            "generated). The ragged call's output equals the separate calls'."),
         code('''\
 import sys
-sys.path.insert(0, "..")
-from benchmarks import bench_serving as bs
+
+sys.path.insert(0, "..")  # the repository root, for benchmarks/
+from benchmarks import bench_serving as bs  # noqa: E402
 
 n_pre, n_dec = (4, 12) if SMALL else (8, 56)
 sizes = (dict(chunk=(64, 256), prefix=(0, 512), cache=(512, 4096)) if SMALL
