@@ -191,6 +191,8 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None, None, None, None]
     chunk = jnp.arange(C, dtype=jnp.int32)
 
+    ps = k.shape[1] if page_table is not None else None
+
     def gather(x, start, scale=None):
         return _gather(x, start, scale, page_table=page_table, ps=ps, skv=Skv, wg=wg, hk=hk, hkv=Hkv, dt=dt)
 
@@ -221,7 +223,6 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     carry = (*_softmax.start((B, Hkv, C, R), dt), jnp.zeros((B, Hkv, C, R, Dv), dt))
     k_scale, v_scale = (None, None) if scales is None else scales
     if page_table is not None:
-        ps = k.shape[1]
         k, v = k.reshape((-1,) + k.shape[2:]), v.reshape((-1,) + v.shape[2:])
     m, l, acc, _ = jax.lax.fori_loop(0, steps, body, carry + ((k, v),))
     m_all, l_all, acc = _softmax.merge_parts(m, l, acc, axis=2)  # the chunks, by their log-sum-exp
