@@ -234,7 +234,8 @@ def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
     assert "flexjax_cpu_backward" not in _grad_hlo(BY_NAME["causal"], shape, kernel_options={"cpu_kernel": False})
 
 
-@pytest.mark.parametrize("prep", ["prepass", "per_tile"])
+# prepass in make test-all (make test's budget): "auto", which most backward tests take, is the prepass.
+@pytest.mark.parametrize("prep", [pytest.param("prepass", marks=pytest.mark.slow), "per_tile"])
 def test_backward_prepares_q_do_and_delta_both_ways(prep, monkeypatch):
     """The backward's transposed q and dO and its delta come from a prepass (many visits per q
     tile) or from each visit (narrow bands, where the lists visit a q tile at most 4 times on

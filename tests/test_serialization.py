@@ -141,6 +141,7 @@ def test_export_forward_and_grad_with_block_mask_argument():
     _export_round_trip(_build(LIBRARY_MASKS["and_masks"]()), mods.alibi(H))
 
 
+@pytest.mark.slow  # (make test's budget: test_export_forward_and_grad_with_block_mask_argument exports by default)
 def test_export_lambda_mask_in_a_fresh_process(tmp_path):
     cloudpickle = pytest.importorskip("cloudpickle")
     offset = jnp.asarray([3, 9], jnp.int32)
