@@ -184,7 +184,7 @@ def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_
 
 def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, *, score_mod=None,
                           mask_mod=None, scale=None, sinks=None, return_aux=None, backend: str | None = None,
-                          kernel_options: dict | None = None, k_scale=None, v_scale=None):
+                          kernel_options: dict | None = None, k_scale=None, v_scale=None, k_new=None, v_new=None):
     """Attention for a mixed batch: prefill chunks and decode steps of many sequences in one call.
 
     Sequence ``i`` has ``kv_lengths[i]`` tokens in its pages (``page_table[i]``), of which
@@ -217,14 +217,25 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
       kernel_options: the pallas backend's, with backend="pallas".
       k_scale, v_scale: for int8 / float8_e4m3fn pools (``flexjax.paged.quantize``),
         float32 (Hkv,) or (num_pages, Hkv); tiles are dequantized as they are loaded.
+      k_new, v_new: (T, Hkv, D / Dv), the new tokens' K and V packed as ``query``: written
+        into their pages first, in the same call (``write_and_attend``, whose result comes
+        back: ``(out, k_pages, v_pages)``, with the scales after them for quantized pools).
 
     Returns:
-      out (T, Hq, Dv) in the query's dtype, or ``(out, AuxOutput)``.
+      out (T, Hq, Dv) in the query's dtype, or ``(out, AuxOutput)``; with ``k_new``, as
+      ``write_and_attend``.
 
     Raises:
       ValueError: a malformed layout (checked eagerly for concrete arguments, at run time
         through a host callback under jit).
     """
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass k_new and v_new together (the new tokens' K and V), or neither")
+    if k_new is not None:
+        return write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengths, cu_q_lens,
+                                k_scale=k_scale, v_scale=v_scale, score_mod=score_mod, mask_mod=mask_mod,
+                                scale=scale, sinks=sinks, return_aux=return_aux, backend=backend,
+                                kernel_options=kernel_options)
     paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
     if backend is not None and backend not in paged_backends:
         raise NotImplementedError(f"flex_attention_ragged has {' and '.join(paged_backends)} paths; got "

@@ -188,6 +188,10 @@ def test_write_and_attend_equals_write_then_attend():
                                        k_new[None, cu[i]:cu[i + 1]], v_new[None, cu[i]:cu[i + 1]])
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_ref))
+    # The same through flex_attention_ragged's k_new / v_new.
+    out2, k3, v3 = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, k_new=k_new, v_new=v_new)
+    np.testing.assert_array_equal(np.asarray(k3), np.asarray(k_ref))
+    np.testing.assert_allclose(np.asarray(out2), np.asarray(out), rtol=1e-5, atol=1e-6)
     keep = np.ones(len(KV_LENS), bool)
     keep[1] = False
     want = paged.flex_attention_ragged(q, k_ref, v_ref, jnp.maximum(table, 0), KV_LENS, cu)
