@@ -212,9 +212,10 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
       sinks: float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``.
       return_aux: an ``AuxRequest``: ``(out, AuxOutput)`` with ``lse`` and ``max_scores``
         shaped (Hq, T), as ``flexjax.flex_attention``'s without the batch axis.
-      backend: "xla" (None: xla; on CPU the C++ kernel where it compiles the mods) or
-        "pallas" (its paged decode kernel; interpret mode on CPU).
-      kernel_options: the pallas backend's, with backend="pallas".
+      backend: "xla" (None: xla; on CPU the C++ kernel where it compiles the mods),
+        "pallas" (its paged decode kernels, GPU and TPU; interpret mode on CPU) or "triton"
+        (its forward kernel reading pages through the table; NVIDIA GPUs).
+      kernel_options: the pallas or triton backend's.
       k_scale, v_scale: for int8 / float8_e4m3fn pools (``flexjax.paged.quantize``),
         float32 (Hkv,) or (num_pages, Hkv); tiles are dequantized as they are loaded.
       k_new, v_new: (T, Hkv, D / Dv), the new tokens' K and V packed as ``query``: written
@@ -238,10 +239,12 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
                                 kernel_options=kernel_options)
     paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
     if backend is not None and backend not in paged_backends:
-        raise NotImplementedError(f"flex_attention_ragged has {' and '.join(paged_backends)} paths; got "
+        raise NotImplementedError(f"flex_attention_ragged has paths on the {', '.join(paged_backends)} backends; "
+                                  f"got "
                                   f"backend={backend!r}: pass backend=None or one of {paged_backends}")
-    if kernel_options and backend != "pallas":
-        raise ValueError(f"flex_attention_ragged takes kernel_options with backend='pallas' only, got "
+    if kernel_options and backend not in ("pallas", "triton"):
+        raise ValueError(f"flex_attention_ragged takes kernel_options with backend='pallas' or 'triton' "
+                         f"only, got "
                          f"{sorted(kernel_options)}")
     if not hasattr(query, "shape") or not hasattr(query, "dtype"):
         raise TypeError(f"query must be a JAX array of shape (T, Hq, D), got {type(query).__name__}")

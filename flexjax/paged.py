@@ -312,8 +312,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
       backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
         ``Sq <= 64``: the GPU template, or on TPU the Mosaic kernel, which needs head dims
         that are multiples of 128 and a BlockMask built with ``H=None``; interpret mode on
-        CPU).
-      kernel_options: the pallas backend's (e.g. ``{"target": "cuda"}``), with backend="pallas".
+        CPU) or "triton" (its forward kernel reading pages through the table; NVIDIA GPUs,
+        Triton's interpreter on CPU; head dims powers of two).
+      kernel_options: the pallas or triton backend's (e.g. ``{"target": "cuda"}``).
       k_scale, v_scale: for int8 / float8_e4m3fn pools (``quantize``), float32 (Hkv,) or
         (num_pages, Hkv): each tile is dequantized as it is loaded (``x * scale``). The
         scales get no gradient.
@@ -325,10 +326,12 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
 
     paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
     if backend is not None and backend not in paged_backends:
-        raise NotImplementedError(f"flexjax.paged.flex_attention has {' and '.join(paged_backends)} paths; got "
+        raise NotImplementedError(f"flexjax.paged.flex_attention has paths on the {', '.join(paged_backends)} "
+                                  f"backends; got "
                                   f"backend={backend!r}, pass backend=None or one of {paged_backends}")
-    if kernel_options and backend != "pallas":
-        raise ValueError(f"flexjax.paged.flex_attention takes kernel_options with backend='pallas' only, got "
+    if kernel_options and backend not in ("pallas", "triton"):
+        raise ValueError(f"flexjax.paged.flex_attention takes kernel_options with backend='pallas' or 'triton' "
+                         f"only, got "
                          f"{sorted(kernel_options)}")
     if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError("k_pages and v_pages must be (num_pages, page_size, kv_heads, head_dim) with the same "

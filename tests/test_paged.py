@@ -212,8 +212,8 @@ def test_errors():
                              block_mask=flexjax.create_block_mask(None, None, None, 1, 100))
     with pytest.raises(ValueError, match="kv_lengths"):
         paged.flex_attention(q, k_pages, v_pages, table, lengths[:2])
-    with pytest.raises(NotImplementedError, match="xla and pallas"):
-        paged.flex_attention(q, k_pages, v_pages, table, lengths, backend="triton")
+    with pytest.raises(NotImplementedError, match="paths on the xla, pallas, triton backends"):
+        paged.flex_attention(q, k_pages, v_pages, table, lengths, backend="mosaic_gpu")
     with pytest.raises(NotImplementedError, match="no dropout"):
         paged.flex_attention(q, k_pages, v_pages, table, lengths, dropout_rate=0.1, dropout_rng=jax.random.key(0))
     with pytest.raises(ValueError, match="dropout_rate"):

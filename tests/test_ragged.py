@@ -348,3 +348,32 @@ def test_ragged_tpu_kernel_interpreted(pool):
     got = call(backend="pallas", kernel_options={"target": "tpu", "interpret": True})
     want = call(backend="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
+@pytest.mark.triton  # (Triton's interpreter: make test-compile's venv)
+@pytest.mark.parametrize("pool", ["float", "int8", "float8_e4m3fn"])
+def test_ragged_and_paged_on_triton(pool):
+    """The triton forward kernel reads pages through the table (dequantizing int8 / float8
+    tiles as it loads them): the ragged call and a paged decode step equal xla's."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    d = D * 2  # (a power of two: the pools are read unpadded)
+    ks = jax.random.split(jax.random.key(1), 3)
+    k_pages, v_pages = (jax.random.normal(x, (NUM_PAGES, PS, HKV, d)) for x in ks[:2])
+    q = jax.random.normal(ks[2], (q.shape[0], HQ, d))
+    kw = {}
+    if pool != "float":
+        k_pages, k_scale = paged.quantize(k_pages, pool)
+        v_pages, v_scale = paged.quantize(v_pages, pool)
+        kw = dict(k_scale=k_scale, v_scale=v_scale)
+    if pool == "float8_e4m3fn":  # (the interpreter refuses it; tests_compile/decode_suite.py compiles it for cuda)
+        with pytest.raises(NotImplementedError, match="cannot take float8_e4m3fn"):
+            paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, backend="triton", **kw)
+        return
+    ragged = lambda backend: paged.flex_attention_ragged(  # noqa: E731
+        q, k_pages, v_pages, table, KV_LENS, cu, score_mod=_alibi(slopes), mask_mod=_window, backend=backend, **kw)
+    np.testing.assert_allclose(np.asarray(ragged("triton")), np.asarray(ragged("xla")), atol=2e-6)
+    q1 = q[:len(KV_LENS), None]
+    step = lambda backend: paged.flex_attention(q1, k_pages, v_pages, table, KV_LENS, backend=backend, **kw)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(step("triton")), np.asarray(step("xla")), atol=2e-6)

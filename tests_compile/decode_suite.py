@@ -11,9 +11,11 @@ these (each row's head a tile). Then the serving calls: ``paged.flex_attention_r
 mixed batch (4 sequences, 64 packed tokens: prefill chunks and decode steps), {bfloat16,
 float32} x {causal, sliding window} x score_mod {none, soft-cap}, on float pools and on int8
 and float8_e4m3fn pools with per-(page, head) scales (dequantized in the kernels), and the
-plain paged step on an int8 pool. Every case must compile (Mosaic; Triton through XLA's GPU
-compiler) and take the decode kernel; it prints one line per case (the packing of each call)
-and exits non-zero on any failure.
+plain paged step on an int8 pool; on cuda also the triton backend's paged forward kernel for
+the ragged calls (bfloat16, float / int8 / float8 pools, causal and soft-cap). Every case must
+compile (Mosaic; Triton through XLA's GPU compiler) and the pallas cases take the decode
+kernel; it prints one line per case (the packing of each call) and exits non-zero on any
+failure.
 
     python tests_compile/decode_suite.py
 """
@@ -125,12 +127,14 @@ S, T = 4, 64
 
 
 def _compile(mesh, f, args, used):
-    used.clear()
+    """Compiles f; ``used`` (the pallas decode kernel's spy list) must fill, unless None."""
+    if used is not None:
+        used.clear()
     t0 = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
             jax.jit(f).trace(*args).lower().compile()
-        status = "ok" if used else "FAIL: the decode kernel did not serve the call"
+        status = "ok" if used is None or used else "FAIL: the decode kernel did not serve the call"
     except Exception as e:  # noqa: BLE001  (every compile error is a reported failure)
         status = "FAIL: " + next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
     return status, time.perf_counter() - t0
@@ -148,15 +152,19 @@ def _serving(target: str, mesh, used: list) -> int:
     mask_mods = {"causal": None, "window 1024": masks.sliding_window(1024)}
     scores = {"none": None, "soft-cap": mods.soft_cap(30.0)}
     fails = 0
-    cases = [(dt, m, sc, pool) for dt in (jnp.bfloat16, jnp.float32) for m in mask_mods for sc in scores
+    cases = [("pallas", dt, m, sc, pool) for dt in (jnp.bfloat16, jnp.float32) for m in mask_mods for sc in scores
              for pool in ("float", "int8", "float8_e4m3fn")]
-    for dt, mname, sname, pool in cases:
+    if target == "cuda":
+        cases += [("triton", jnp.bfloat16, "causal", sc, pool) for sc in scores
+                  for pool in ("float", "int8", "float8_e4m3fn")]
+    for backend, dt, mname, sname, pool in cases:
         quant = pool != "float"
 
-        def call(q, kp, vp, table, lens, cu, ks, vs, mname=mname, sname=sname, quant=quant):
+        def call(q, kp, vp, table, lens, cu, ks, vs, mname=mname, sname=sname, quant=quant, backend=backend):
             kw = dict(k_scale=ks, v_scale=vs) if quant else {}
             return paged.flex_attention_ragged(q, kp, vp, table, lens, cu, score_mod=scores[sname],
-                                               mask_mod=mask_mods[mname], backend="pallas", kernel_options=opts, **kw)
+                                               mask_mod=mask_mods[mname], backend=backend, kernel_options=opts,
+                                               **kw)
 
         pool_dt = dt if not quant else jnp.dtype(pool)
         kv = jax.ShapeDtypeStruct((num_pages, PS, HKV, D), pool_dt, sharding=sh)
@@ -166,9 +174,10 @@ def _serving(target: str, mesh, used: list) -> int:
                 jax.ShapeDtypeStruct((S + 1,), jnp.int32, sharding=sh),
                 jax.ShapeDtypeStruct((num_pages, HKV), jnp.float32, sharding=sh),
                 jax.ShapeDtypeStruct((num_pages, HKV), jnp.float32, sharding=sh))
-        status, secs = _compile(mesh, call, args, used)
+        status, secs = _compile(mesh, call, args, used if backend == "pallas" else None)
         fails += status != "ok"
-        print(f"{target} {jnp.dtype(dt).name} ragged {mname}, {sname}, {pool} pool: {status} (packed heads: {used}) "
+        what = f"(packed heads: {used})" if backend == "pallas" else "(triton)"
+        print(f"{target} {jnp.dtype(dt).name} ragged {mname}, {sname}, {pool} pool, {backend}: {status} {what} "
               f"{secs:.1f} s", flush=True)
     # The plain paged decode step on an int8 pool.
     for dt in (jnp.bfloat16, jnp.float32):

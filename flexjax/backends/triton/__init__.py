@@ -21,7 +21,7 @@ import numpy as np
 from ..._modcompiler import compile_mod
 from .. import _frontend
 from .._contract import Implementation, always, never_raises
-from .._layout import Mods, prologues
+from .._layout import Mods, geometry, pad_axis, prologues
 from .._tile_tables import TRITON_DROPOUT_BWD_KV, TRITON_SM80, TRITON_SM90, TRITON_SM90_NO_GATHER
 from . import _codegen, _kernels, _launch, _templates, _versions
 
@@ -212,13 +212,13 @@ def _missing_modules(interpret: bool) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(score, mask, grads: bool, dropout: bool = False):
+def _plan(score, mask, grads: bool, dropout: bool = False, paged: bool = False, quant: bool = False):
     """The compiled mods, the template plan and its source (the codegen raises NotImplementedError)."""
     cms = Mods(score=compile_mod(score, "triton") if score is not None else None,
                mask=compile_mod(mask, "triton") if mask is not None else None)
     plan = _templates.Plan(score=_codegen.generate(cms.score, prefix="score") if cms.score is not None else None,
                            mask=_codegen.generate(cms.mask, prefix="mask") if cms.mask is not None else None,
-                           grads=grads and cms.score is not None, dropout=dropout)
+                           grads=grads and cms.score is not None, dropout=dropout, paged=paged, quant=quant)
     return cms, plan, _templates.source(plan)
 
 
@@ -317,6 +317,51 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
                                              _run(spec, o, "fwd"),
                                              **_frontend.dropout_args(spec, dropout_seed))
     return _frontend.forward_results(q, v, out, row_max, row_sum)
+
+
+def supports_paged(spec, q, k, v, lists) -> str | None:
+    """None where the forward kernel serves a paged call (``k`` / ``v`` stand for the logical
+    cache): its kv tiles must not cross a page, and the pools, which are read in place, need
+    head dims the kernel takes unpadded (powers of two >= 16)."""
+    reason = supports(spec, q, k, v)
+    if reason is not None:
+        return reason
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    ck = max(spec.block_size[1], _kernel_tile(o.block_kv))
+    if spec.kv_len % ck:
+        return (f"the triton paged kernel reads kv tiles of {ck} rows, which must divide the page size; set "
+                "kernel_options block_kv to a divisor of the page size")
+    for name, d in (("head_dim", q.shape[-1]), ("value head_dim", v.shape[-1])):
+        if d != _frontend.pow2_dim(d):
+            return f"the triton paged kernel reads the pools unpadded: {name} {d} must be a power of two >= 16"
+    return None
+
+
+def supports_quantized(spec, q, dtype) -> str | None:
+    """None where the forward kernel dequantizes the pools' tiles as it loads them (to the
+    query's dtype, with their page's scale): int8, and float8_e4m3fn on GPUs (Triton's
+    interpreter takes its operands through torch, which cannot convert float8 arrays)."""
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    if o.interpret and jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        return ("Triton's interpreter cannot take float8_e4m3fn pools (torch converts no float8 array); lower for "
+                "the GPU with kernel_options={'target': 'cuda'}, or pass backend='xla' or 'pallas'")
+    return None
+
+
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
+    """``forward_with_residuals`` over page pools (num_pages, page_size, Hkv, .) read through
+    ``page_table`` (B, max_pages) by the forward kernel (``spec.kv_len`` = max_pages *
+    page_size); ``scales``: a quantized pool's (k_scale, v_scale) (num_pages, Hkv)."""
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    mods, plan, source = _plan(spec.score, spec.mask, False, False, True, scales is not None)
+    k_like = jax.ShapeDtypeStruct((q.shape[0], spec.kv_len) + k_pages.shape[2:], q.dtype)
+    g, lists = geometry(spec, q, k_like, lists, o.block_q, o.block_kv)
+    g = dataclasses.replace(g, tq=_kernel_tile(o.block_q), tk=_kernel_tile(o.block_kv))
+    qp = pad_axis(q, 1, g.sq)
+    s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
+    out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, k_pages, v_pages, lists, s_pro, m_pro,
+                                             _run(spec, o, "fwd"), page_table=page_table, scales=scales)
+    return _frontend.forward_results(q, v_pages, out, row_max, row_sum)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,

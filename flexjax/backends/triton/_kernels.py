@@ -87,10 +87,12 @@ def _common(g: Geom, scale: float, D: int, Dv: int, n_idx, idx, f_idx, s_pro, m_
 
 
 def forward(plan: Plan, source: str, g: Geom, scale, q, k, v, lists, s_pro: Prologue, m_pro: Prologue,
-            run: Launch, rate: float = 0.0, seed=None):
+            run: Launch, rate: float = 0.0, seed=None, page_table=None, scales=None):
     """q (B, sq, Hq, D), k/v (B, skv, Hkv, .) padded; returns out (B, sq, Hq, Dv) and each row's
     max and sum (B, Hq, sq) float32 (max 0 on empty rows). With ``plan.dropout``, ``rate`` and
-    the (2,) uint32 ``seed`` of the mask."""
+    the (2,) uint32 ``seed`` of the mask. With ``plan.paged``, k / v are page pools
+    (num_pages, page_size, Hkv, .) read through ``page_table`` (B, max_pages); with
+    ``plan.quant``, ``scales`` are their (k_scale, v_scale) float32 (num_pages, Hkv)."""
     kv_n, kv_i = _lists(lists.kv_num, lists.kv_idx)
     fkv_n, fkv_i = _lists(lists.full_kv_num, lists.full_kv_idx)
     D, Dv = q.shape[-1], v.shape[-1]
@@ -98,6 +100,11 @@ def forward(plan: Plan, source: str, g: Geom, scale, q, k, v, lists, s_pro: Prol
     consts = {**_common(g, scale, D, Dv, kv_n, kv_i, fkv_i, s_pro, m_pro, q.dtype), **drop_consts}
     args = {"KV_N": kv_n, "KV_I": kv_i, "FKV_N": fkv_n, "FKV_I": fkv_i, "Q": q, "K": k, "V": v,
             **_pro_args(s_pro, "S"), **_pro_args(m_pro, "M"), **drop_args}
+    if plan.paged:
+        args["PT"] = jnp.asarray(page_table, jnp.int32)
+        consts.update(PS=int(k.shape[1]), MAXP=int(page_table.shape[1]))
+    if plan.quant:
+        args["KS"], args["VS"] = (jnp.asarray(x, jnp.float32) for x in scales)
     vec = jax.ShapeDtypeStruct((g.B, g.Hq, g.sq), jnp.float32)
     out_shapes = [jax.ShapeDtypeStruct((g.B, g.sq, g.Hq, Dv), q.dtype), vec, vec]
     out, row_max, row_sum = _call(source, _templates.FWD, _templates.fwd_params(plan), args, out_shapes,

@@ -42,12 +42,18 @@ class Plan:
         gradients (only when a captured float array is differentiated).
       dropout: whether the kernels drop probabilities (rate > 0); the rate itself is a
         constexpr (``DROP_T``, ``DROP_INV``), the seed an input (``SEED``).
+      paged: the forward reads K and V from page pools through a page table (``PT``,
+        ``(B, MAXP)``; pages of ``PS`` rows), as ``flexjax.paged`` calls it.
+      quant: the pools hold int8 / float8_e4m3fn codes, dequantized as each tile loads with
+        its page's scale (``KS``, ``VS``: float32 (num_pages, HKV)).
     """
 
     score: GeneratedMod | None
     mask: GeneratedMod | None
     grads: bool = False
     dropout: bool = False
+    paged: bool = False
+    quant: bool = False
 
     @property
     def float_rows(self) -> tuple[int, ...]:
@@ -86,7 +92,9 @@ _COMMON = ["SCALE", "HQ", "HKV", "G", "SQ", "SKV", "Q_LEN", "KV_LEN", "D", "DV",
 def fwd_params(plan: Plan) -> tuple[list[str], list[str], list[str]]:
     """(input pointers, output pointers, constexprs) of the forward kernel, in call order."""
     ins = ["KV_N", "KV_I", "FKV_N", "FKV_I", "Q", "K", "V"]
-    return ins + _mod_pointers(plan), ["OUT", "ROW_MAX", "ROW_SUM"], _mod_consts(plan)
+    ins += (["PT"] if plan.paged else []) + (["KS", "VS"] if plan.quant else [])
+    consts = _mod_consts(plan) + (["PS", "MAXP"] if plan.paged else [])
+    return ins + _mod_pointers(plan), ["OUT", "ROW_MAX", "ROW_SUM"], consts
 
 
 def _mod_pointers(plan: Plan) -> list[str]:
@@ -246,10 +254,22 @@ def _kv_tile(lines: _Lines, ind: int, T: bool = False):
     """Index tiles of the kv tile starting at ``kv_start``, and its K and V."""
     lines(ind,
           "offs_k = kv_start + tl.arange(0, TK)",
-          f"kv_idx = tl.minimum(offs_k, KV_LEN - 1){_as_cols(T)}",
-          "kv_off = (b.to(tl.int64) * SKV + kv_start) * HKV + kvh",
+          f"kv_idx = tl.minimum(offs_k, KV_LEN - 1){_as_cols(T)}")
+    if lines.plan.paged:
+        # The tile's page (a tile never crosses one: TK divides PS); an unassigned page (-1)
+        # reads page 0, whose keys the lengths mask.
+        lines(ind,
+              "page = tl.maximum(tl.load(PT + b.to(tl.int64) * MAXP + kv_start // PS), 0)",
+              "kv_off = (page.to(tl.int64) * PS + kv_start % PS) * HKV + kvh")
+    else:
+        lines(ind, "kv_off = (b.to(tl.int64) * SKV + kv_start) * HKV + kvh")
+    lines(ind,
           "k = tl.load(K + kv_off * D + ar_k[:, None] * (HKV * D) + ar_d[None, :])",
           "v = tl.load(V + kv_off * DV + ar_k[:, None] * (HKV * DV) + ar_dv[None, :])")
+    if lines.plan.quant:
+        lines(ind,
+              "k = (k.to(tl.float32) * tl.load(KS + page * HKV + kvh)).to(Q.dtype.element_ty)",
+              "v = (v.to(tl.float32) * tl.load(VS + page * HKV + kvh)).to(Q.dtype.element_ty)")
     lines(ind, *_col_hash_lines(lines.plan))
 
 
