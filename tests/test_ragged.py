@@ -1,6 +1,8 @@
 """flexjax.paged.flex_attention_ragged / write_and_attend: mixed prefill and decode batches
 over paged KV equal flex_attention run sequence by sequence on the gathered cache."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,7 +170,8 @@ def test_ragged_one_compile_for_changing_mixes():
     assert step._cache_size() == 1
 
 
-def test_write_and_attend_equals_write_then_attend():
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_write_and_attend_equals_write_then_attend(backend):
     """The fused call writes each new token at its logical position (dropping a token past
     the sequence's pages and padding rows) and attends over the written pages."""
     cu, table, k_pages, v_pages, q, slopes = _setup()
@@ -178,7 +181,8 @@ def test_write_and_attend_equals_write_then_attend():
     v_new = jax.random.normal(ks[1], (T, HKV, D))
     # Sequence 1 loses its only page: its token (position 0) must be dropped, not written elsewhere.
     table = table.at[1].set(-1)
-    out, k2, v2 = jax.jit(paged.write_and_attend)(q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu)
+    out, k2, v2 = jax.jit(functools.partial(paged.write_and_attend, backend=backend))(
+        q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu)
     # The same write through paged.write, sequence by sequence.
     k_ref, v_ref = k_pages, v_pages
     for i in range(len(KV_LENS)):
@@ -189,12 +193,13 @@ def test_write_and_attend_equals_write_then_attend():
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_ref))
     # The same through flex_attention_ragged's k_new / v_new.
-    out2, k3, v3 = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, k_new=k_new, v_new=v_new)
+    out2, k3, v3 = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, k_new=k_new, v_new=v_new,
+                                               backend=backend)
     np.testing.assert_array_equal(np.asarray(k3), np.asarray(k_ref))
     np.testing.assert_allclose(np.asarray(out2), np.asarray(out), rtol=1e-5, atol=1e-6)
     keep = np.ones(len(KV_LENS), bool)
     keep[1] = False
-    want = paged.flex_attention_ragged(q, k_ref, v_ref, jnp.maximum(table, 0), KV_LENS, cu)
+    want = paged.flex_attention_ragged(q, k_ref, v_ref, jnp.maximum(table, 0), KV_LENS, cu, backend=backend)
     for i in np.nonzero(keep)[0]:
         np.testing.assert_allclose(np.asarray(out[cu[i]:cu[i + 1]]), np.asarray(want[cu[i]:cu[i + 1]]),
                                    rtol=1e-5, atol=1e-6)
@@ -377,3 +382,23 @@ def test_ragged_and_paged_on_triton(pool):
     q1 = q[:len(KV_LENS), None]
     step = lambda backend: paged.flex_attention(q1, k_pages, v_pages, table, KV_LENS, backend=backend, **kw)  # noqa: E731
     np.testing.assert_allclose(np.asarray(step("triton")), np.asarray(step("xla")), atol=2e-6)
+
+
+@pytest.mark.slow  # (make test's budget: sinks go through the shared epilogue, tested on every entry point)
+def test_ragged_sinks_and_max_scores():
+    """Sinks join each row's normalizer as in flex_attention; return_aux gives lse and
+    max_scores shaped (Hq, T); jax.grad reaches the sinks."""
+    cu, table, k_pages, v_pages, q, slopes = _setup()
+    sinks = jnp.linspace(-1.0, 1.0, HQ)
+    out, aux = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, sinks=sinks,
+                                           return_aux=flexjax.AuxRequest(lse=True, max_scores=True))
+    ref, lse = _per_sequence(q, k_pages, v_pages, table, KV_LENS, cu, None, None)
+    new = jnp.logaddexp(lse, sinks[:, None])
+    live = np.arange(q.shape[0]) < cu[-1]
+    want = jnp.where(live[:, None, None], ref * jnp.exp(lse - new).T[:, :, None], 0.0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(aux.lse[:, live]), np.asarray(new[:, live]), atol=2e-5)
+    assert aux.max_scores.shape == (HQ, q.shape[0])
+    g = jax.grad(lambda s: jnp.sum(paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, sinks=s)
+                                   * live[:, None, None]))(sinks)
+    assert g.shape == (HQ,) and bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
