@@ -21,8 +21,10 @@ def _page_table(page_table, B: int | None = None) -> jax.Array:
     return pt
 
 
-def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale):
-    """Tokens (N, Hkv, .) into (page[n], slot[n]) (a page past the pool drops the token)."""
+def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale, runs: int | None = None):
+    """Tokens (N, Hkv, .) into (page[n], slot[n]) (a page past the pool drops the token);
+    ``runs``: the tokens are at most that many sequences of consecutive positions (see
+    ``_quant.write_quantized``)."""
     scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
     if scales is None:
         return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
@@ -30,8 +32,8 @@ def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale):
     # Per-head scales stay as given (their shape too); per-page ones may grow.
     ks = k_scale if jnp.ndim(k_scale) == 1 else scales[0]
     vs = v_scale if jnp.ndim(v_scale) == 1 else scales[1]
-    k_pages, ks = _quant.write_quantized(k_pages, ks, page, slot, k_new)
-    v_pages, vs = _quant.write_quantized(v_pages, vs, page, slot, v_new)
+    k_pages, ks = _quant.write_quantized(k_pages, ks, page, slot, k_new, runs)
+    v_pages, vs = _quant.write_quantized(v_pages, vs, page, slot, v_new, runs)
     return k_pages, v_pages, ks, vs
 
 

@@ -91,25 +91,36 @@ def check_scales(k_pages, v_pages, k_scale, v_scale):
     return tuple(out)
 
 
-def write_quantized(pages, scale, page, slot, new):
+def write_quantized(pages, scale, page, slot, new, runs: int | None = None):
     """``pages`` with ``new`` (N, Hkv, D) written at (page[n], slot[n]) (a page index past the
     pool drops the token), quantized; returns (pages, scale). Per-head scales clip; per-page
-    scales grow to hold the new tokens, the written pages' earlier tokens requantized."""
+    scales grow to hold the new tokens, the written pages' earlier tokens requantized.
+
+    ``runs``: when the tokens come as at most ``runs`` sequences of consecutive positions
+    (each then touches at most ``n // page_size + 2`` pages, in one run each), only those
+    pages are read back for the requantization; None reads one page per token.
+    """
     dtype = pages.dtype
     new = new.astype(jnp.float32)
     scale = jnp.asarray(scale, jnp.float32)
     if scale.ndim == 1:
         q = _to_q(new / scale[None, :, None], dtype)
         return pages.at[page, slot].set(q, mode="drop"), scale
-    num_pages = pages.shape[0]
+    num_pages, ps = pages.shape[:2]
+    N = page.shape[0]
     need = jnp.zeros_like(scale).at[page].max(jnp.max(jnp.abs(new), axis=-1) / qmax(dtype), mode="drop")
     grown = jnp.maximum(scale, need)
-    # The written pages' earlier tokens, requantized where their scale grew (a page index
-    # past the pool reads page 0 and is dropped again on the write back).
-    safe = jnp.clip(page, 0, num_pages - 1)
-    old = pages[safe].astype(jnp.float32)
-    ratio = jnp.where(grown[safe] > 0, scale[safe] / jnp.where(grown[safe] > 0, grown[safe], 1.0), 0.0)
-    requant = _to_q(old * ratio[:, None, :, None], dtype)
-    pages = pages.at[page].set(requant, mode="drop")
-    q = _to_q(new / jnp.where(grown[safe] > 0, grown[safe], 1.0)[:, :, None], dtype)
+    # The pages written, one entry per run of tokens in one page (a page index past the pool:
+    # none), read back and requantized where their scale grew.
+    first = jnp.concatenate([jnp.ones((1,), bool), page[1:] != page[:-1]]) & (page < num_pages)
+    M = N if runs is None else min(N, N // ps + 2 * runs + 2)
+    at = jnp.nonzero(first, size=M, fill_value=N)[0]
+    touched = jnp.where(at < N, page[jnp.clip(at, 0, N - 1)], num_pages)
+    safe = jnp.clip(touched, 0, num_pages - 1)
+    g = grown[safe]
+    ratio = jnp.where(g > 0, scale[safe] / jnp.where(g > 0, g, 1.0), 0.0)
+    pages = pages.at[touched].set(_to_q(pages[safe].astype(jnp.float32) * ratio[:, None, :, None], dtype),
+                                  mode="drop")
+    gt = grown[jnp.clip(page, 0, num_pages - 1)]
+    q = _to_q(new / jnp.where(gt > 0, gt, 1.0)[:, :, None], dtype)
     return pages.at[page, slot].set(q, mode="drop"), grown

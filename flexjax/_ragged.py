@@ -359,7 +359,8 @@ def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengt
     page = pt[s, jnp.clip(pos // ps, 0, pt.shape[1] - 1)]
     page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # dropped
     slot = pos % ps
-    written = _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale)
+    # (Each sequence's tokens are consecutive positions, the padding one more run.)
+    written = _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale, runs=S + 1)
     k_pages, v_pages = written[:2]
     scales = dict(zip(("k_scale", "v_scale"), written[2:]))
     out = flex_attention_ragged(query, k_pages, v_pages, pt, lengths, cu, **scales, **kwargs)

@@ -208,7 +208,7 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None
     page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # past the pool: the update is dropped
     slot = logical % ps
     return _write_slots(k_pages, v_pages, page.reshape(-1), slot.reshape(-1), k_new.reshape(-1, *k_new.shape[2:]),
-                        v_new.reshape(-1, *v_new.shape[2:]), k_scale, v_scale)
+                        v_new.reshape(-1, *v_new.shape[2:]), k_scale, v_scale, runs=B)
 
 
 def _with_lengths(bm: BlockMask, kv_lengths, B: int):

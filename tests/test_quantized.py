@@ -172,3 +172,24 @@ def test_quantized_bad_input():
         paged.flex_attention(q, kq, v, table, LENGTHS, k_scale=ks, v_scale=ks)
     with pytest.raises(ValueError, match="dtype must be one of"):
         paged.quantize(k, "int4")
+
+
+def test_write_quantized_prefill_spanning_pages():
+    """A prefill written into an int8 pool with per-page scales: 37 tokens from the middle of
+    a page on (3 pages), larger than the pool's values: every page written gets a scale that
+    holds its tokens, and its earlier tokens are requantized once (within a step)."""
+    table, k, v, _ = _setup()
+    kq, ks = paged.quantize(k, "int8")
+    new = 4.0 * jax.random.normal(jax.random.key(6), (1, 37, HKV, D))
+    pos = jnp.asarray([7])
+    kq2, _, ks2, _ = jax.jit(lambda *a: paged.write(*a, k_scale=ks, v_scale=ks))(kq, kq, table[:1], pos, new, new)
+    got = paged.gather(kq2, table[:1], ks2)[0]
+    want = paged.gather(paged.write(paged.dequantize(kq, ks), paged.dequantize(kq, ks), table[:1], pos, new,
+                                    new)[0], table[:1])[0]
+    pages = table[0, :3]
+    for j, p in enumerate(pages):  # each page's scale holds its new tokens
+        lo, hi = max(7, 16 * j), min(44, 16 * (j + 1))
+        assert float(ks2[p].min()) >= float(jnp.abs(new[0, lo - 7:hi - 7]).max(axis=(0, 2)).min()) / 127 - 1e-6
+    step = ks2[pages].max()
+    assert float(jnp.abs(got[7:44] - want[7:44]).max()) <= float(step) / 2 + 1e-6
+    assert float(jnp.abs(got[:7] - want[:7]).max()) <= float(step) + 1e-6
