@@ -44,7 +44,7 @@ def _tree(b, h, q_idx, kv_idx, *, words, prefix_len):
     return ((kv_idx < p) & (q_idx >= kv_idx)) | (in_tree & is_anc)
 
 
-def tree(parents: ArrayLike, prefix_len: int | ArrayLike) -> MaskMod:
+def tree(parents: ArrayLike, prefix_len: int | ArrayLike = 0) -> MaskMod:
     """Tree attention over a draft tree appended to a prefix (speculative decoding).
 
     The cache holds ``prefix_len`` committed tokens, then the draft tree's ``n`` nodes at
@@ -57,7 +57,8 @@ def tree(parents: ArrayLike, prefix_len: int | ArrayLike) -> MaskMod:
         parents: int (n,) or (B, n): ``parents[i]`` is node i's parent, ``-1`` for a child of
             the last prefix token; a parent comes before its children (``parents[i] < i``).
             May be traced (one compile for every tree of n nodes).
-        prefix_len: an int, an integer scalar or a (B,) integer array (may be traced).
+        prefix_len: an int, an integer scalar or a (B,) integer array (may be traced); 0
+            (the default): the tree alone, node i at position i.
 
     Returns:
         mask_mod ``(b, h, q_idx, kv_idx) -> bool`` named ``tree_{n}``.
