@@ -174,7 +174,7 @@ def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_
     reason = impl.supports_paged(spec, q_tiles, *_logical_like(N, kv_len, k_pages, v_pages,
                                                              query.dtype if scales else None), lists)
     if reason is None and scales is not None:
-        reason = impl.supports_quantized(spec, q_tiles, k_pages.dtype) if hasattr(impl, "supports_quantized") else \
+        reason = impl.supports_quantized(spec, q_tiles, k_pages) if hasattr(impl, "supports_quantized") else \
             "no quantized pools"
     if reason is not None:
         raise NotImplementedError(f"backend {name!r} cannot serve this ragged call: {reason}; pass backend='xla', "

@@ -382,7 +382,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     reason = impl.supports_paged(spec, query, *_logical_like(B, kv_len, k_pages, v_pages, query.dtype if scales
                                                              else None), lists)
     if reason is None and scales is not None:
-        reason = impl.supports_quantized(spec, query, k_pages.dtype) if hasattr(impl, "supports_quantized") else \
+        reason = impl.supports_quantized(spec, query, k_pages) if hasattr(impl, "supports_quantized") else \
             "no quantized pools"
     if reason is not None:
         raise NotImplementedError(f"backend {name!r} cannot serve this paged call: {reason}")

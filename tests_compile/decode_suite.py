@@ -195,6 +195,34 @@ def _serving(target: str, mesh, used: list) -> int:
         fails += status != "ok"
         print(f"{target} {jnp.dtype(dt).name} Sq=1 paged step, soft-cap, int8 pool: {status} (packed heads: {used}) "
               f"{secs:.1f} s", flush=True)
+    return fails + (_tpu_limits(mesh, used) if target == "tpu" else 0)
+
+
+def _tpu_limits(mesh, used: list) -> int:
+    """The TPU kernel's limits: int8 scales of 8192 pages x 8 kv heads (512 KiB, the most
+    ``pallas.TPU_SCALE_BYTES`` lets into SMEM) compile; pages of 64 tokens (kv tiles
+    narrower than 128 lanes, which Mosaic rejects) are refused with a reason."""
+    from flexjax.backends import pallas
+
+    sh = NamedSharding(mesh, P())
+    fails = 0
+    for num_pages, ps, hkv in ((pallas.TPU_SCALE_BYTES // (2 * 4 * 8), 256, 8), (256, 64, 8)):
+        def call(q, kp, vp, table, lens, cu, ks, vs):
+            return paged.flex_attention_ragged(q, kp, vp, table, lens, cu, backend="pallas",
+                                               kernel_options={"target": "tpu"}, k_scale=ks, v_scale=vs)
+
+        kv = jax.ShapeDtypeStruct((num_pages, ps, hkv, D), jnp.int8, sharding=sh)
+        sc = jax.ShapeDtypeStruct((num_pages, hkv), jnp.float32, sharding=sh)
+        args = (jax.ShapeDtypeStruct((T, 8, D), jnp.bfloat16, sharding=sh), kv, kv,
+                jax.ShapeDtypeStruct((S, L // ps), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sh),
+                jax.ShapeDtypeStruct((S + 1,), jnp.int32, sharding=sh), sc, sc)
+        status, secs = _compile(mesh, call, args, used)
+        if ps % 128:  # must be refused, with the reason
+            status = "ok (refused)" if "multiple of 128 on TPU" in status else f"FAIL: not refused: {status}"
+        fails += not status.startswith("ok")
+        print(f"tpu bfloat16 ragged, int8 pool of {num_pages} pages of {ps} x {hkv} kv heads: {status} {secs:.1f} s",
+              flush=True)
     return fails
 
 

@@ -169,7 +169,7 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     return None
 
 
-def supports_quantized(spec, q, dtype) -> str | None:
+def supports_quantized(spec, q, pages) -> str | None:
     """None: int8 and float8_e4m3fn pools are dequantized as their tiles are read."""
     return None
 

@@ -180,6 +180,11 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
                 f"{jax.default_backend()}; pass backend='xla'")
     if o.target == "tpu":
         reason = _decode.tpu_reason(spec, q, v, lists, _mods(spec, o))
+        if reason is None and not o.interpret and spec.block_size[1] % 128:
+            # (Mosaic cannot prove a narrower tile's lane slices aligned, E2003: pages of 16,
+            # 32 and 64 tokens failed to compile; tests_compile/decode_suite.py checks the refusal.)
+            reason = (f"its kv tiles are the BlockMask's kv block, {spec.block_size[1]} here, which must be a "
+                      "multiple of 128 on TPU: use pages of a multiple of 128 tokens (and such a kv block)")
         if reason is not None:
             return f"the pallas paged kernel cannot serve this call on TPU: {reason}"
     return None
@@ -193,9 +198,22 @@ def ragged_rows(dtype, kernel_options: dict) -> int:
     return 64 if target == "cuda" and jnp.dtype(dtype) == jnp.float32 else 128
 
 
-def supports_quantized(spec, q, dtype) -> str | None:
-    """None: the decode kernel dequantizes int8 / float8_e4m3fn tiles as it loads them (to the
-    query's dtype, with their page's scale)."""
+# Bytes of the TPU kernel's SMEM the two scale vectors may take (v5e has 1 MiB of SMEM, which
+# also holds the lists and the page table; scales kept (num_pages, Hkv) there were padded to
+# 128 words a row and passed it at 1024 pages x 8 heads, so they go in flat):
+# tests_compile/decode_suite.py compiles at this size.
+TPU_SCALE_BYTES = 512 * 1024
+
+
+def supports_quantized(spec, q, pages) -> str | None:
+    """None where the decode kernel dequantizes int8 / float8_e4m3fn tiles as it loads them (to
+    the query's dtype, with their page's scale). On TPU the scales sit in SMEM, flat: at most
+    ``TPU_SCALE_BYTES`` of them for k and v together."""
+    o = _resolve(spec, q.shape[-1], q.dtype)
+    need = 2 * 4 * pages.shape[0] * pages.shape[2]
+    if o.target == "tpu" and need > TPU_SCALE_BYTES:
+        return (f"the TPU kernel keeps the pools' scales in SMEM: {pages.shape[0]} pages x {pages.shape[2]} kv heads "
+                f"need {need} bytes, above {TPU_SCALE_BYTES}; use fewer, larger pages, or backend='xla'")
     return None
 
 

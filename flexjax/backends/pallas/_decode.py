@@ -233,10 +233,11 @@ def _tpu_kernel(*refs, g, mods: Mods, scale: float, shapes, chunks: int, paged: 
 
             ks = block(e) * tk
             kt, vt = kbuf[slot], vbuf[slot]
-            if quant:  # a quantized pool: the codes times their page's scale (SMEM), in q's dtype
+            if quant:  # a quantized pool: the codes times their page's scale (SMEM, flat), in q's dtype
                 page = jnp.clip(pt_ref[b, _div(ks, k_hbm.shape[1])], 0, k_hbm.shape[0] - 1)
-                kt = (kt.astype(jnp.float32) * ks_ref[page, kvh]).astype(q_ref.dtype)
-                vt = (vt.astype(jnp.float32) * vs_ref[page, kvh]).astype(q_ref.dtype)
+                at = page * g.Hkv + kvh
+                kt = (kt.astype(jnp.float32) * ks_ref[at]).astype(q_ref.dtype)
+                vt = (vt.astype(jnp.float32) * vs_ref[at]).astype(q_ref.dtype)
             if pack > 1:
                 r = lax.broadcasted_iota(jnp.int32, (tq, tk), 0)
                 ki = ks + lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
@@ -300,7 +301,7 @@ def _tpu_call(g, mods, scale, qp, k, v, lists, s_pro, m_pro, o, pack: int, page_
         out_shape=[jax.ShapeDtypeStruct((chunks, B, H, tq, Dv), jnp.float32), vec_shape, vec_shape],
         interpret=o.interpret, compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         name="flexjax_decode",
-    )(*lists.by_q, *([page_table] if paged else []), qt, kf, vf, *(scales or ()), *pro_args)
+    )(*lists.by_q, *([page_table] if paged else []), qt, kf, vf, *(s.reshape(-1) for s in scales or ()), *pro_args)
     return acc.transpose(0, 1, 3, 2, 4), m, l
 
 

@@ -337,12 +337,12 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     return None
 
 
-def supports_quantized(spec, q, dtype) -> str | None:
+def supports_quantized(spec, q, pages) -> str | None:
     """None where the forward kernel dequantizes the pools' tiles as it loads them (to the
     query's dtype, with their page's scale): int8, and float8_e4m3fn on GPUs (Triton's
     interpreter takes its operands through torch, which cannot convert float8 arrays)."""
     o = _resolve(spec, q.shape[-1], q.dtype)
-    if o.interpret and jnp.dtype(dtype) == jnp.float8_e4m3fn:
+    if o.interpret and pages.dtype == jnp.float8_e4m3fn:
         return ("Triton's interpreter cannot take float8_e4m3fn pools (torch converts no float8 array); lower for "
                 "the GPU with kernel_options={'target': 'cuda'}, or pass backend='xla' or 'pallas'")
     return None
