@@ -389,8 +389,9 @@ def test_decode_tiles_without_mods_pack_their_scores(dtype):
             assert_close(f"decode grads hq={hq} sq={sq}", grads(q, k, v, "xla"), want_g, want_g, dtype)
 
 
-# "1" (the AMD AVX512-BF16 form forced) in make test-all, for make test's budget.
-@pytest.mark.parametrize("pair", [pytest.param("1", marks=pytest.mark.slow), "0"])
+# Both in make test-all, for make test's budget ("1": the AMD AVX512-BF16 form forced; "0": the
+# widened rows, which test_decode_tiles_without_mods_pack_their_scores[bfloat16] runs by default).
+@pytest.mark.parametrize("pair", [pytest.param("1", marks=pytest.mark.slow), pytest.param("0", marks=pytest.mark.slow)])
 def test_decode_bfloat16_pair_products(pair, monkeypatch):
     """A bfloat16 cache on a CPU with AVX512-BF16 and pair products on: the decode product dots
     query rows that hold bfloat16 values with the keys two elements a lane, and takes P V two

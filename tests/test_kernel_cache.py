@@ -152,6 +152,7 @@ def test_truncated_libraries_are_rebuilt(good_cache, tmp_path, with_kernel):
     _assert_healed(_run(cache), bad)
 
 
+@pytest.mark.slow  # (make test's budget: test_failed_rebuild_runs_the_loops[kernel] rebuilds by default)
 def test_garbage_libraries_are_rebuilt(good_cache, tmp_path):
     """Every mod library overwritten with bytes that are not a library (a bad copy)."""
     cache = _copy(good_cache, tmp_path)
