@@ -387,7 +387,10 @@ def _scalar_mods():
     return score_mod, mask_mod
 
 
-@pytest.mark.parametrize("backend", ["pallas_gpu", pytest.param("xla", marks=pytest.mark.slow)])
+# Both in make test-all (make test's budget): sinks, dropout and jax.jvp each have default tests
+# (test_training_features.py), and captured scalars test_scalars_forward_and_backward.
+@pytest.mark.parametrize("backend", [pytest.param("pallas_gpu", marks=pytest.mark.slow),
+                                     pytest.param("xla", marks=pytest.mark.slow)])
 def test_scalars_with_sinks_dropout_and_jvp(backend):
     impl, options = BACKENDS[backend]
     q, k, v, _ = inputs((1, 64, 64, 2, 2, 16, 16), jnp.float32)

@@ -463,6 +463,8 @@ def test_length_lists_without_sorts():
     assert bool(jnp.isfinite(a[lengths > 0]).all())
 
 
+@pytest.mark.slow  # (make test's budget: test_ragged.py::test_serving_loop_one_compile reserves, writes and
+# releases as sequences grow, join and leave)
 def test_reserve_and_release_serve_growing_sequences():
     """Pages assigned on demand inside one jitted step (reserve, write, attend) while the
     sequences grow token by token; a finished sequence's pages are released and reused by

@@ -110,7 +110,9 @@ def test_quantized_bfloat16_queries_and_grad():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.05, rtol=0.05)
 
 
-@pytest.mark.parametrize("per_page", [True, pytest.param(False, marks=pytest.mark.slow)])
+# (make test's budget: test_write_quantized_prefill_spanning_pages writes per-page scales by default.)
+@pytest.mark.parametrize("per_page", [pytest.param(True, marks=pytest.mark.slow),
+                                      pytest.param(False, marks=pytest.mark.slow)])
 def test_write_quantizes(per_page):
     """paged.write quantizes new tokens: per-head scales clip to their range, per-page scales
     grow to hold a larger token (the page's earlier tokens requantized)."""
