@@ -45,39 +45,36 @@ def _window(b, h, q_idx, kv_idx):
 
 
 def _per_sequence(q, k_pages, v_pages, table, kv_lens, cu, score_mod, mask_mod):
-    """Attention sequence by sequence on the gathered cache, dense in jnp (the semantics of
+    """Attention sequence by sequence on the gathered cache, dense (the semantics of
     flex_attention: fully masked rows give 0 and lse -inf); (out (T, Hq, D), lse (Hq, T)).
-    Sequence i's queries sit at kv_lens[i] - q_len_i + r; the mods see b = i."""
-    K, V = paged.gather(k_pages, table), paged.gather(v_pages, table)
-    outs = jnp.zeros(q.shape, q.dtype)
-    lses = jnp.full((HQ, q.shape[0]), -jnp.inf)
+    Sequence i's queries sit at kv_lens[i] - q_len_i + r; the mods see b = i. All tokens at
+    once, in one jitted function (each token against its own sequence's whole cache)."""
     base = mask_mod or masks.causal
-    G = HQ // HKV
-    for i, n in enumerate(kv_lens):
-        ql = int(cu[i + 1] - cu[i])
-        if ql == 0:
-            continue
-        n = int(n)
-        qi = q[cu[i]:cu[i + 1]].astype(jnp.float32)  # (ql, Hq, D)
-        k = jnp.repeat(K[i, :n].astype(jnp.float32), G, axis=1)  # (n, Hq, D)
-        v = jnp.repeat(V[i, :n].astype(jnp.float32), G, axis=1)
-        s = jnp.einsum("qhd,khd->hqk", qi, k) / np.sqrt(q.shape[-1])
-        h = jnp.arange(HQ)[:, None, None]
-        q_idx = (n - ql + jnp.arange(ql))[None, :, None]
-        kv_idx = jnp.arange(n)[None, None, :]
-        b = jnp.int32(i)
+
+    @jax.jit
+    def dense(q, k_pages, v_pages, table, kv_lens, cu):
+        T, S = q.shape[0], kv_lens.shape[0]
+        K, V = (jnp.repeat(paged.gather(x, table).astype(jnp.float32), HQ // HKV, axis=2) for x in (k_pages, v_pages))
+        x = jnp.arange(T)
+        s = jnp.clip(jnp.searchsorted(cu, x, side="right") - 1, 0, S - 1)
+        live = x < cu[-1]
+        pos = kv_lens[s] - (cu[s + 1] - cu[s]) + (x - cu[s])
+        scores = jnp.einsum("thd,tlhd->thl", q.astype(jnp.float32), K[s]) / np.sqrt(q.shape[-1])
+        b, h = s[:, None, None], jnp.arange(HQ)[None, :, None]
+        q_idx, kv_idx = pos[:, None, None], jnp.arange(K.shape[1])[None, None, :]
         if score_mod is not None:
-            s = score_mod(s, b, h, q_idx, kv_idx)
-        ok = jnp.broadcast_to(base(b, h, q_idx, kv_idx), s.shape)
-        s = jnp.where(ok, s, -jnp.inf)
-        lse = jax.nn.logsumexp(s, axis=-1)  # (Hq, ql)
-        p = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-        o = jnp.einsum("hqk,khd->qhd", p, v)
-        outs = outs.at[cu[i]:cu[i + 1]].set(o.astype(q.dtype))
-        lses = lses.at[:, cu[i]:cu[i + 1]].set(lse)
-    return outs, lses
+            scores = score_mod(scores, b, h, q_idx, kv_idx)
+        ok = base(b, h, q_idx, kv_idx) & (kv_idx < kv_lens[s][:, None, None]) & live[:, None, None]
+        scores = jnp.where(ok, scores, -jnp.inf)
+        lse = jax.nn.logsumexp(scores, axis=-1)  # (T, Hq)
+        p = jnp.where(ok, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+        out = jnp.einsum("thl,tlhd->thd", p, V[s])
+        return out.astype(q.dtype), lse.T
+
+    return dense(q, k_pages, v_pages, table, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu, jnp.int32))
 
 
+# (make test's budget: one case by default; the others in make test-all.)
 @pytest.mark.parametrize("backend,mask_name,dtype", [
     pytest.param("xla", "causal", jnp.float32, marks=pytest.mark.slow),
     ("xla", "window", jnp.bfloat16),
