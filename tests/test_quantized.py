@@ -55,8 +55,8 @@ def test_quantize_roundtrip(qdtype, per_page):
         assert bool(jnp.all(err <= jnp.maximum(2.0 ** -4 * jnp.abs(k), 2.0 ** -10 * s) + 1e-6))
 
 
-# (make test's budget: the C++ kernel's int8 by default; test_ragged_and_write_and_attend_quantized
-# runs an int8 pool through the ragged call.)
+# (make test's budget: the C++ kernel's int8 by default; the others, and
+# test_ragged_and_write_and_attend_quantized, in make test-all.)
 @pytest.mark.parametrize("qdtype,per_page,path,sq", [
     ("int8", True, "kernel", 1), pytest.param("int8", False, "xla_ops", 1, marks=pytest.mark.slow),
     pytest.param("float8_e4m3fn", True, "kernel", 1, marks=pytest.mark.slow),
@@ -142,6 +142,7 @@ def test_write_quantizes(per_page):
         assert bool(jnp.any(ks2 > ks))
 
 
+@pytest.mark.slow  # (make test's budget: the int8 kernel path and quantized writes have default tests)
 def test_ragged_and_write_and_attend_quantized():
     """The ragged call and the fused write over int8 pools with per-page scales equal the
     same calls on the dequantized pools."""
