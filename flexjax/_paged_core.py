@@ -10,7 +10,29 @@ import jax.numpy as jnp
 
 from . import _quant
 from ._factory import int_array
-from .backends import get_backend
+from .backends import available_backends, get_backend
+
+
+def check_backend(caller: str, backend, kernel_options) -> None:
+    """A named backend must have a paged path; kernel_options go with pallas or triton only."""
+    paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
+    if backend is not None and backend not in paged_backends:
+        raise NotImplementedError(f"{caller} has paths on the {', '.join(paged_backends)} backends; got "
+                                  f"backend={backend!r}: pass backend=None or one of {paged_backends}")
+    if kernel_options and backend not in ("pallas", "triton"):
+        raise ValueError(f"{caller} takes kernel_options with backend='pallas' or 'triton' only, got "
+                         f"{sorted(kernel_options)}")
+
+
+def paged_reason(impl, spec, q, k_pages, v_pages, lists, scales) -> str | None:
+    """Why backend ``impl`` cannot serve this paged call (its paged path, then its quantized
+    pools where ``scales`` are given), or None."""
+    like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages, q.dtype if scales is not None else None)
+    reason = impl.supports_paged(spec, q, *like, lists)
+    if reason is None and scales is not None:
+        reason = (impl.supports_quantized(spec, q, k_pages) if hasattr(impl, "supports_quantized")
+                  else "no quantized pools")
+    return reason
 
 
 def _page_table(page_table, B: int | None = None) -> jax.Array:

@@ -31,10 +31,10 @@ import numpy as np
 
 from ._block_mask_type import EMPTY, FULL, PARTIAL, lists_from_states
 from ._factory import int_array
-from ._paged_core import _logical_like, _page_table, _paged, _write_slots
+from ._paged_core import _logical_like, _page_table, _paged, _write_slots, check_backend, paged_reason
 from ._spec import AttentionSpec, check_sinks, results
 from ._trace import trace_mod
-from .backends import available_backends, get_backend
+from .backends import get_backend
 from .backends._contract import TileLists
 
 # Packed rows (q tile rows x GQA group) of a prefill q tile, and the most queries a sequence
@@ -158,7 +158,7 @@ def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths, q_dtype):
 def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
                bkv, kernel_options, scales):
     T, Hq, D = query.shape
-    N, bq = tiles.seq.shape[0], tiles.bq
+    bq = tiles.bq
     kv_len = pt.shape[1] * k_pages.shape[1]
     nkv = kv_len // bkv
     Hm = Hq if "h" in user_mask.static().uses else 1
@@ -171,11 +171,7 @@ def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_
     impl.validate_options(spec)
     rows = jnp.clip(tiles.tok[:, None] + jnp.arange(bq, dtype=jnp.int32), 0, T - 1)
     q_tiles = query[rows]  # (N, bq, Hq, D)
-    reason = impl.supports_paged(spec, q_tiles, *_logical_like(N, kv_len, k_pages, v_pages,
-                                                             query.dtype if scales else None), lists)
-    if reason is None and scales is not None:
-        reason = impl.supports_quantized(spec, q_tiles, k_pages) if hasattr(impl, "supports_quantized") else \
-            "no quantized pools"
+    reason = paged_reason(impl, spec, q_tiles, k_pages, v_pages, lists, scales)
     if reason is not None:
         raise NotImplementedError(f"backend {name!r} cannot serve this ragged call: {reason}; pass backend='xla', "
                                   "which serves every ragged call")
@@ -237,15 +233,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
                                 k_scale=k_scale, v_scale=v_scale, score_mod=score_mod, mask_mod=mask_mod,
                                 scale=scale, sinks=sinks, return_aux=return_aux, backend=backend,
                                 kernel_options=kernel_options)
-    paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
-    if backend is not None and backend not in paged_backends:
-        raise NotImplementedError(f"flex_attention_ragged has paths on the {', '.join(paged_backends)} backends; "
-                                  f"got "
-                                  f"backend={backend!r}: pass backend=None or one of {paged_backends}")
-    if kernel_options and backend not in ("pallas", "triton"):
-        raise ValueError(f"flex_attention_ragged takes kernel_options with backend='pallas' or 'triton' "
-                         f"only, got "
-                         f"{sorted(kernel_options)}")
+    check_backend("flex_attention_ragged", backend, kernel_options)
     if not hasattr(query, "shape") or not hasattr(query, "dtype"):
         raise TypeError(f"query must be a JAX array of shape (T, Hq, D), got {type(query).__name__}")
     if query.ndim != 3:

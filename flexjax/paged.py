@@ -39,11 +39,11 @@ from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows
     select_rows,
 )
 from ._factory import int_array
-from ._paged_core import _logical_like, _page_table, _paged, _write_slots, gather  # noqa: F401
+from ._paged_core import _logical_like, _page_table, _paged, _write_slots, check_backend, gather, paged_reason  # noqa: F401
 from ._quant import dequantize, quantize  # noqa: F401 (public here)
 from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
-from .backends import available_backends, get_backend
+from .backends import get_backend
 from .backends._contract import TileLists
 
 
@@ -324,15 +324,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     """
     from .backends._common import acc_dtype
 
-    paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
-    if backend is not None and backend not in paged_backends:
-        raise NotImplementedError(f"flexjax.paged.flex_attention has paths on the {', '.join(paged_backends)} "
-                                  f"backends; got "
-                                  f"backend={backend!r}, pass backend=None or one of {paged_backends}")
-    if kernel_options and backend not in ("pallas", "triton"):
-        raise ValueError(f"flexjax.paged.flex_attention takes kernel_options with backend='pallas' or 'triton' "
-                         f"only, got "
-                         f"{sorted(kernel_options)}")
+    check_backend("flexjax.paged.flex_attention", backend, kernel_options)
     if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError("k_pages and v_pages must be (num_pages, page_size, kv_heads, head_dim) with the same "
                          f"first three sizes, got {getattr(k_pages, 'shape', None)} and "
@@ -379,11 +371,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     name = backend or "xla"
     impl = get_backend(name)
     impl.validate_options(spec)
-    reason = impl.supports_paged(spec, query, *_logical_like(B, kv_len, k_pages, v_pages, query.dtype if scales
-                                                             else None), lists)
-    if reason is None and scales is not None:
-        reason = impl.supports_quantized(spec, query, k_pages) if hasattr(impl, "supports_quantized") else \
-            "no quantized pools"
+    reason = paged_reason(impl, spec, query, k_pages, v_pages, lists, scales)
     if reason is not None:
         raise NotImplementedError(f"backend {name!r} cannot serve this paged call: {reason}")
     out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists,
