@@ -39,13 +39,13 @@ from .._frontend import (
     target_and_interpret,
 )
 from .._layout import Mods, geometry, pad_axis, prologues
-from . import _kernels
+from . import _kernels, _mma
 
 NAME = "mosaic_gpu"
 
 _TARGETS = ("cuda",)
-# Compute capabilities the kernels are written for: wgmma is sm_90a's.
-CAPABILITIES = (90,)
+# Compute capabilities the kernels are written for: sm_90a (wgmma) and sm_100a (tcgen05, TMEM).
+CAPABILITIES = (90, 100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +53,16 @@ class KernelOptions(KernelOptionsBase):
     """Options of the mosaic_gpu backend.
 
     Attributes (beyond ``target``, ``interpret`` and the tiles):
-      block_q: 128 (the forward's and dQ's CTA: two consumer warpgroups of 64 query rows).
+      block_q: the forward's and dQ's CTA: two consumer warpgroups of 64 query rows on sm_90a (128),
+        of 128 on sm_100a (256).
       block_kv: the key tile the forward walks (64 or 128; default 64).
       bwd_block_kv: the key tile the dQ kernel walks (32, 64 or 128; default 32).
       bwd_block_q: the query tile the dK/dV kernel walks (32 or 64; default 32); it owns 64
-        key rows per CTA.
+        key rows per CTA on sm_90a, 128 on sm_100a.
       num_stages, bwd_num_stages: depth of the TMA ring (>= 2).
-      compute_capability: the GPU to compile for (90); default the device's, 90 from a CPU host.
+      compute_capability: the GPU to compile for (90 or 100); default the device's, 90 from a CPU
+        host. In the interpreter, 100 runs the sm_100a kernels with tcgen05 and tensor memory
+        emulated (``_mma.Blackwell(emulate=True)``).
     """
 
     compute_capability: int | None = None
@@ -86,24 +89,32 @@ def _host_target() -> str | None:
     return "cuda" if jax.default_backend() in ("gpu", "cuda") else None
 
 
-def heuristics(head_dim: int, block_size) -> KernelOptions:
-    """Default tiles: 128 query rows per CTA, 64 keys per step (at 128 keys the forward's
+def heuristics(head_dim: int, block_size, compute_capability: int = 90) -> KernelOptions:
+    """Default tiles. sm_90a: 128 query rows per CTA, 64 keys per step (at 128 keys the forward's
     (64, 128) float32 score tile pushed ptxas past the 168 registers a thread of a
-    three-warpgroup CTA has: 8-44 B spilled per thread on sm_90a at D = 64 and 128)."""
-    tk = 64
+    three-warpgroup CTA has: 8-44 B spilled per thread on sm_90a at D = 64 and 128).
+    sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
+    (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
+    thread (sliding window + ALiBi, D = 64 and 128), none at 32."""
+    tk = 32 if compute_capability >= 100 else 64
     # Backward: 32-key steps in dQ and 32-query steps in dK/dV (tiles with a 64-byte swizzle).
     # sm_90a, D = 128, sliding window + ALiBi (tests_compile/mosaic_gpu_suite.py): dQ spilled 140 B
     # per thread at 64-key steps, none at 32; dK/dV 256 B at 64-query steps, 28 B at 32.
-    return KernelOptions(target="cuda", interpret=False, block_q=_kernels.CTA_ROWS, block_kv=tk,
+    arch = _mma.for_capability(compute_capability, False)
+    return KernelOptions(target="cuda", interpret=False, block_q=_kernels.cta_rows(arch), block_kv=tk,
                          bwd_block_q=32, bwd_block_kv=32, num_stages=2, bwd_num_stages=2,
-                         compute_capability=90)
+                         compute_capability=compute_capability)
 
 
 def _resolve(spec, head_dim: int) -> KernelOptions:
     target, interpret = target_and_interpret(spec, _host_target())
-    default = heuristics(head_dim, spec.block_size)
     cc = spec.options.get("compute_capability") or _device_capability() or 90
+    default = heuristics(head_dim, spec.block_size, 100 if cc >= 100 else 90)
     return fill(KernelOptions, spec, default, target=target, interpret=interpret, compute_capability=cc)
+
+
+def _arch(o: KernelOptions):
+    return _mma.for_capability(o.compute_capability, o.interpret)
 
 
 def _mods(spec) -> Mods:
@@ -124,18 +135,21 @@ def validate_options(spec) -> None:
 
 
 def _tile_reason(spec, o: KernelOptions) -> str | None:
-    if o.block_q != _kernels.CTA_ROWS:
-        return f"the mosaic_gpu forward takes block_q={_kernels.CTA_ROWS} (two warpgroups of 64 rows), got {o.block_q}"
+    arch = _arch(o)
+    cta, dkv = _kernels.cta_rows(arch), _kernels.dkv_rows(arch)
+    if o.block_q != cta:
+        return (f"the mosaic_gpu forward takes block_q={cta} on {arch.name} (two warpgroups of {arch.rows} rows), "
+                f"got {o.block_q}")
     if o.bwd_block_q not in (32, 64):
         return f"the mosaic_gpu dK/dV kernel walks bwd_block_q of 32 or 64 queries, got {o.bwd_block_q}"
-    if o.block_kv not in (64, 128):
-        return f"the mosaic_gpu forward takes block_kv of 64 or 128, got {o.block_kv}"
+    if o.block_kv not in (32, 64, 128):
+        return f"the mosaic_gpu forward takes block_kv of 32, 64 or 128, got {o.block_kv}"
     if o.bwd_block_kv not in (32, 64, 128):
         return f"the mosaic_gpu dQ kernel takes bwd_block_kv of 32, 64 or 128, got {o.bwd_block_kv}"
     bq, bk = spec.block_size
     for tile, base, what in ((o.block_q, bq, "block_q"), (o.bwd_block_q, bq, "bwd_block_q"),
                              (o.block_kv, bk, "block_kv"), (o.bwd_block_kv, bk, "bwd_block_kv"),
-                             (_kernels.DKV_ROWS, bk, f"the dK/dV kernel's {_kernels.DKV_ROWS} key rows")):
+                             (dkv, bk, f"the dK/dV kernel's {dkv} key rows")):
         if tile % base and base % tile:
             return (f"{what} ({tile}) must divide the BlockMask's block ({base}) or be a multiple of it; rebuild "
                     "the BlockMask with a power-of-two block_size")
@@ -158,8 +172,8 @@ def supports(spec, q, k, v) -> str | None:
     if spec.dropout_rate:
         return "the mosaic_gpu kernels have no dropout; pass backend='triton' or 'pallas' for dropout"
     o = _resolve(spec, D)
-    if o.target == "cuda" and not o.interpret and o.compute_capability not in CAPABILITIES:
-        return (f"the mosaic_gpu kernels are written for compute capability 9.0 (wgmma), got "
+    if o.target == "cuda" and o.compute_capability not in CAPABILITIES:
+        return (f"the mosaic_gpu kernels are written for compute capabilities 9.0 (wgmma) and 10.0 (tcgen05), got "
                 f"{o.compute_capability / 10:.1f}")
     if o.interpret and _xla_cpu_threads() < _INTERPRETER_THREADS:
         return (f"Mosaic GPU's interpreter needs at least {_INTERPRETER_THREADS} XLA:CPU threads (its simulated "
@@ -168,13 +182,14 @@ def supports(spec, q, k, v) -> str | None:
     reason = _tile_reason(spec, o)
     if reason is not None:
         return reason
-    smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages)
-    smem_bwd = _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages)
+    rows = _arch(o).rows
+    smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, rows=rows)
+    smem_bwd = _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages, rows=rows)
     for kernel, need in (("forward", smem["fwd"]), ("dQ", smem_bwd["dq"]), ("dK/dV", smem_bwd["dkv"])):
         if need > _kernels.SMEM_LIMIT:
             return (f"the mosaic_gpu {kernel} kernel needs {need // 1024} KiB of shared memory at head dim {D} "
                     f"(tiles block_kv={o.block_kv}, bwd_block_kv={o.bwd_block_kv}, stages {o.num_stages}/"
-                    f"{o.bwd_num_stages}), over the {_kernels.SMEM_LIMIT // 1024} KiB an sm_90 block has; head dims "
+                    f"{o.bwd_num_stages}), over the {_kernels.SMEM_LIMIT // 1024} KiB a block has; head dims "
                     "64 and 128 fit, or use backend='triton'")
     try:
         _mods(spec)
@@ -223,7 +238,8 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     g, lists, qp, kp, vp = prepare(spec, q, k, v, lists, o.block_q, o.block_kv)
     rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
     out, row_max, row_sum = _kernels.forward(g, mods, spec.scale, qp, kp, vp, lists, rows, cols,
-                                             stages=o.num_stages, interpret=o.interpret, block_kv=o.block_kv)
+                                             stages=o.num_stages, interpret=o.interpret, block_kv=o.block_kv,
+                                             arch=_arch(o))
     return forward_results(q, v, out, row_max, row_sum)
 
 
@@ -232,15 +248,16 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     """dq, dk, dv and the score_mod's captured-array gradients (through the prologue's VJP)."""
     o = _resolve(spec, q.shape[-1])
     mods = _mods(spec)
-    # dQ walks (128 query rows, bwd_block_kv keys) tiles, dK/dV (bwd_block_q, 64 key rows): both
-    # pad to the larger of their sequence lengths, with the lists regrouped for each.
-    gq, lists_q = geometry(spec, q, k, lists, _kernels.CTA_ROWS, o.bwd_block_kv)
-    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.DKV_ROWS)
+    # dQ walks (block_q query rows, bwd_block_kv keys) tiles, dK/dV (bwd_block_q, the consumer's key
+    # rows): both pad to the larger of their sequence lengths, with the lists regrouped for each.
+    arch = _arch(o)
+    gq, lists_q = geometry(spec, q, k, lists, _kernels.cta_rows(arch), o.bwd_block_kv)
+    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.dkv_rows(arch))
     sq, skv = max(gq.sq, gk.sq), max(gq.skv, gk.skv)
     g, gk = dataclasses.replace(gq, sq=sq, skv=skv), dataclasses.replace(gk, sq=sq, skv=skv)
     qp, kp, vp = pad_axis(q, 1, sq), pad_axis(k, 1, skv), pad_axis(v, 1, skv)
     rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
     lse_safe, delta, dop = backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
     grads = _kernels.backward(g, gk, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists_q, lists_kv,
-                              rows, cols, stages=o.bwd_num_stages, interpret=o.interpret)
+                              rows, cols, stages=o.bwd_num_stages, interpret=o.interpret, arch=arch)
     return backward_results(spec, q, v, g, mods.score, score_consts, any(grad_consts), grads)

@@ -37,16 +37,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._layout import Geom, Mods
 
-# Rows of one consumer warpgroup (a wgmma's M); two consumers per CTA in the forward and dQ.
-WG_ROWS = 64
+# Two consumer warpgroups per CTA in the forward and dQ, each owning ``arch.rows`` rows (64 on
+# sm_90a, wgmma's M; 128 on sm_100a, tcgen05's): the CTA's rows are ``cta_rows(arch)``.
 CONSUMERS = 2
-CTA_ROWS = WG_ROWS * CONSUMERS
 # The dK/dV kernel: one consumer warpgroup (64 key rows) and the producer. Its dK and dV
 # accumulators (2 x 64 x D float32) with the S^T and dP^T tiles need more registers than a
 # thread of a three-warpgroup CTA gets (ptxas caps those at 168: at D = 128 the two-consumer
 # form spilled 424 B per thread on sm_90a); two warpgroups leave each thread 255.
 DKV_CONSUMERS = 1
-DKV_ROWS = WG_ROWS * DKV_CONSUMERS
+
+
+def cta_rows(arch) -> int:
+    """Query rows of a forward / dQ CTA: 128 on sm_90a, 256 on sm_100a."""
+    return arch.rows * CONSUMERS
+
+
+def dkv_rows(arch) -> int:
+    """Key rows of a dK/dV CTA: 64 on sm_90a, 128 on sm_100a."""
+    return arch.rows * DKV_CONSUMERS
 
 
 @functools.cache
@@ -65,9 +73,9 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _load(ref, axis_kept: int):
-    """A (n,) vector from shared memory in the layout of a WGMMA tile's rows (0) or columns (1)."""
-    return plgpu.layout_cast(ref[...], _layout(axis_kept))
+def _load(arch, ref, axis_kept: int):
+    """A (n,) vector from shared memory in the layout of a tile's rows (0) or columns (1)."""
+    return plgpu.layout_cast(ref[...], arch.layout(axis_kept))
 
 
 def _transforms(dtype, minor: int = 64):
@@ -83,13 +91,6 @@ def _div(x, n: int):
 
 def _rem(x, n: int):
     return jnp.int32(0) if n == 1 else lax.rem(x, jnp.int32(n))
-
-
-def _layout(axis_kept: int | None):
-    """WGMMA layout of a tile (None) or of its rows (0: one value per row) / columns (1)."""
-    if axis_kept is None:
-        return plgpu.Layout.WGMMA
-    return plgpu.Layout.WGMMA.reduce(1 - axis_kept)
 
 
 class _Lists:
@@ -123,34 +124,6 @@ def _drain(n, stages: int, *frees):
             plgpu.barrier_wait(free.at[_rem(t, stages)])
 
 
-# Columns of an output accumulator per MMA: each wgmma that adds to a (64, D) accumulator runs
-# on (64, 64) slices of it, so the fresh accumulator it writes (added in registers, see the
-# module docstring) holds 32 registers per thread, not D / 2.
-CHUNK = 64
-
-
-def _zeros(D: int, chunk: int = CHUNK):
-    return tuple(plgpu.layout_cast(jnp.full((WG_ROWS, chunk), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                 for _ in range(D // chunk))
-
-
-def _mma_add(accs, a_smem, b_ref, after=None):
-    """``accs[c] + a @ b[:, c * w:(c + 1) * w]`` for each chunk ``c`` of width ``w`` (the
-    accumulators'; ``b_ref``: (K, D) in shared memory)."""
-    out = []
-    for c, acc in enumerate(accs):
-        w = acc.shape[1]
-
-        def mma(acc_ref, c=c, w=w):
-            plgpu.wgmma(acc_ref, a_smem, b_ref.at[:, pl.ds(c * w, w)])
-            if after is not None and c == len(accs) - 1:
-                after()
-            return acc_ref[...]
-
-        out.append(acc + pl.run_scoped(mma, plgpu.ACC((WG_ROWS, w), jnp.float32)))
-    return tuple(out)
-
-
 def _store(ref, accs, scale=None):
     """Writes the chunks ``accs`` (times the per-row ``scale``) into the (64, D) shared-memory ``ref``."""
     for c, acc in enumerate(accs):
@@ -177,14 +150,15 @@ def _cast_back(cm, vals, ids):
 # -- forward ---------------------------------------------------------------------------------
 
 def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, stages: int, interpret: bool,
-            block_kv: int):
-    """q (B, sq, Hq, D), k/v (B, skv, Hkv, D), 16-bit, padded (sq a multiple of 128, skv of ``block_kv``).
+            block_kv: int, arch):
+    """q (B, sq, Hq, D), k/v (B, skv, Hkv, D), 16-bit, padded (sq a multiple of ``cta_rows(arch)``, skv of
+    ``block_kv``); ``arch``: ``_mma.Hopper()`` or ``_mma.Blackwell()``.
 
     ``rows`` / ``cols``: the hoisted values of both mods, (B', H', sq) / (B', H', skv), float32
     or int32, score_mod's first. Returns out (B, sq, Hq, D) and each row's max and sum
     (B, Hq, sq) float32 (``Residuals``' format: -inf and 0 on a row with no allowed key).
     """
-    B, Hq, D, tk = g.B, g.Hq, q.shape[-1], block_kv
+    B, Hq, D, tk, R = g.B, g.Hq, q.shape[-1], block_kv, arch.rows
     dtype = q.dtype
     kv_n, kv_i, fkv_n, fkv_i = lists.by_q
     n_srows = len(mods.score.rows) if mods.score is not None else 0
@@ -197,7 +171,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
         o_ref, m_ref, l_ref = next(it), next(it), next(it)
-        (qo_smem, k_smem, v_smem, p_smem, stat_smem, row_smem, col_smem), bars = next(it), next(it)
+        (qo_smem, k_smem, v_smem, p_smem, stat_smem, row_smem, col_smem), bars, mma = next(it), next(it), next(it)
         nb = 1 + n_rows
         (k_bar, v_bar, q_bar, col_bar, k_free, v_free, sched) = bars
         h, i, b = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
@@ -240,17 +214,18 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            q0 = i * CTA_ROWS + wg * WG_ROWS
+            q0 = i * R * CONSUMERS + wg * R
             my_q, my_p = qo_smem.at[wg], p_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, WG_ROWS), h], my_q, q_bar.at[wg * nb])
+            unit = arch.unit(mma, wg, tk, {"o": D})
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, R), h], my_q, q_bar.at[wg * nb])
             for r, ref in enumerate(row_refs):
-                plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(q0, WG_ROWS)], row_smem[r].at[wg], q_bar.at[wg * nb + 1 + r])
+                plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(q0, R)], row_smem[r].at[wg], q_bar.at[wg * nb + 1 + r])
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
-            shape = (WG_ROWS, tk)
+            shape = (R, tk)
             # Per-row vectors stay vectors across the walk; the (64, tk) tiles made from them and
             # the index tiles are formed in each step (held across it, they cost 32 registers each).
-            row_vecs = tuple(_load(row_smem[r].at[wg], 0) for r in range(n_rows))
+            row_vecs = tuple(_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows))
 
             def sched_barrier():
                 plgpu.barrier_arrive(sched)
@@ -264,24 +239,18 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     slot = _rem(t, stages)
                     ks = walk.tile(t) * tk
                     plgpu.barrier_wait(k_bar.at[slot])
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, my_q, k_smem.at[slot])
-                        sched_barrier()
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)) * scale
+                    s = unit.fresh(my_q, k_smem.at[slot], after=sched_barrier) * scale
                     plgpu.barrier_arrive(k_free.at[slot])
-                    q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    q_iota = q0 + arch.iota(shape, 0)
                     q_idx = jnp.minimum(q_iota, g.q_len - 1)
-                    row_vals = tuple(lax.broadcast_in_dim(x, shape, [0]) for x in row_vecs)
-                    kv_iota = ks + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
+                    kv_iota = ks + arch.iota(shape, 1)
                     kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
                     col_vals = []
                     for c in range(n_cols):
                         plgpu.barrier_wait(col_bar.at[c * stages + slot])
-                        col_vals.append(lax.broadcast_in_dim(
-                            _load(col_smem[c].at[slot], 1), shape, [1]))
+                        col_vals.append(arch.broadcast(
+                            _load(arch, col_smem[c].at[slot], 1), shape, [1]))
                     srows, mrows = row_vals[:n_srows], row_vals[n_srows:]
                     scols, mcols = tuple(col_vals[:n_scols]), tuple(col_vals[n_scols:])
                     if mods.score is not None:
@@ -297,44 +266,42 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                         s = jnp.where(ok, s, -jnp.inf)
                     m_new = jnp.maximum(m, s.max(axis=1))
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    p = jnp.exp(s - lax.broadcast_in_dim(m_use, shape, [0]))
+                    p = jnp.exp(s - arch.broadcast(m_use, shape, [0]))
                     alpha = jnp.exp(m - m_use)
                     l = l * alpha + p.sum(axis=1)
+                    acc = unit.scale(acc, "o", alpha)
                     my_p[...] = p.astype(dtype)
                     plgpu.commit_smem()
                     plgpu.barrier_wait(v_bar.at[slot])
-
-                    acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
-                    acc = _mma_add(acc, my_p, v_smem.at[slot], after=sched_barrier)
+                    acc = unit.add(acc, "o", my_p, v_smem.at[slot], after=sched_barrier)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return m_new, l, acc
 
                 return body
 
-            m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), _layout(0))
-            l = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
-            carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, _zeros(D)))
+            m, l = arch.full(R, -jnp.inf), arch.full(R, 0.0)
+            carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, unit.zeros("o")))
             m, l, acc = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
             pl.when(wg == 0)(sched_barrier)
             alive = l > 0
             inv = jnp.where(alive, 1.0 / jnp.where(alive, l, 1.0), 0.0)
-            _store(my_q, acc, inv)
+            _store(my_q, unit.chunks(acc, "o"), inv)
             stat_smem[wg, 0] = jnp.where(alive, m, 0.0)
             stat_smem[wg, 1] = l
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, pl.ds(q0, WG_ROWS), h])
-            plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], m_ref.at[b, h, pl.ds(q0, WG_ROWS)])
-            plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], l_ref.at[b, h, pl.ds(q0, WG_ROWS)])
+            plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, pl.ds(q0, R), h])
+            plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], m_ref.at[b, h, pl.ds(q0, R)])
+            plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], l_ref.at[b, h, pl.ds(q0, R)])
             plgpu.wait_smem_to_gmem(0)
 
-    tr = _transforms(dtype)
+    tr = _transforms(dtype, tk)
     scratch = (
-        (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
+        (plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
          plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
          plgpu.SMEM((stages, tk, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, WG_ROWS, tk), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, 2, WG_ROWS), jnp.float32),
-         tuple(plgpu.SMEM((CONSUMERS, WG_ROWS), r.dtype) for r in rows),
+         plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, 2, R), jnp.float32),
+         tuple(plgpu.SMEM((CONSUMERS, R), r.dtype) for r in rows),
          tuple(plgpu.SMEM((stages, tk), c.dtype) for c in cols)),
         (plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages),
@@ -343,13 +310,14 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=CONSUMERS)),
+        arch.scratch(CONSUMERS, tk, {"o": D}),
     )
     vec = jax.ShapeDtypeStruct((B, Hq, g.sq), jnp.float32)
     call = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((B, g.sq, Hq, D), dtype), vec, vec),
         scratch_types=scratch,
-        grid=(Hq, g.sq // CTA_ROWS, B),
+        grid=(Hq, g.sq // (R * CONSUMERS), B),
         grid_names=("h", "q", "b"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
@@ -455,11 +423,11 @@ def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked,
 
 
 def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, delta, lists_q, lists_kv, rows, cols,
-             *, stages: int, interpret: bool):
+             *, stages: int, interpret: bool, arch):
     """dQ, dK, dV (padded) and the score_mod's row / column gradients.
 
-    ``gq``: the dQ kernel's geometry (128 query rows per CTA, ``gq.tk`` keys per step);
-    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``DKV_ROWS`` key rows per CTA); both with
+    ``gq``: the dQ kernel's geometry (``cta_rows(arch)`` query rows per CTA, ``gq.tk`` keys per step);
+    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``dkv_rows(arch)`` key rows per CTA); both with
     the same padded lengths. ``lse`` / ``delta`` (B, Hq, sq) float32; ``do`` in q's dtype.
     Returns ``(dq, dk, dv, d_rows, d_cols, ())``: per float score_mod row (B, Hq, sq, 1) and
     column (B, Hq, 1, skv) float32, None for the others.
@@ -469,9 +437,9 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
     d_row_ids = [i for i in range(n_srows) if _is_float(rows[i])]
     d_col_ids = [i for i in range(n_scols) if _is_float(cols[i])]
     dq, *d_rows = _dq(gq, mods, scale, q, k, v, do, lse, delta, lists_q, rows, cols, d_row_ids, n_srows, n_scols,
-                      stages=stages, interpret=interpret)
+                      stages=stages, interpret=interpret, arch=arch)
     dk, dv, *d_cols = _dkv(gk, mods, scale, q, k, v, do, lse, delta, lists_kv, rows, cols, d_col_ids, n_srows,
-                           n_scols, stages=stages, interpret=interpret)
+                           n_scols, stages=stages, interpret=interpret, arch=arch)
     it_r, it_c = iter(d_rows), iter(d_cols)
     out_rows = tuple(next(it_r)[..., None] if i in d_row_ids else None for i in range(n_srows))
     out_cols = tuple(next(it_c)[..., None, :] if i in d_col_ids else None for i in range(n_scols))
@@ -485,10 +453,10 @@ def _call(kernel, out_type, scratch, grid, names, interpret, name, consumers=CON
 
 
 def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_ids, n_srows, n_scols, *,
-        stages, interpret):
-    """dQ: per CTA 128 query rows (two consumers of 64) over the row's kv tiles; the producer
+        stages, interpret, arch):
+    """dQ: per CTA two consumers of ``arch.rows`` query rows over the row's kv tiles; the producer
     streams K^T, V^T (for S and dP) and K (for dS K) through the ring."""
-    B, Hq, D, tk = g.B, g.Hq, q.shape[-1], g.tk
+    B, Hq, D, tk, R = g.B, g.Hq, q.shape[-1], g.tk, arch.rows
     dtype = q.dtype
     n_rows, n_cols, n_dr = len(rows), len(cols), len(d_row_ids)
 
@@ -500,7 +468,8 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
         col_refs = tuple(next(it) for _ in range(n_cols))
         dq_ref = next(it)
         drow_refs = tuple(next(it) for _ in range(n_dr))
-        (q_smem, do_smem, ds_smem, kt_smem, vt_smem, k_smem, vec_smem, row_smem, col_smem), bars = next(it), next(it)
+        (q_smem, do_smem, ds_smem, kt_smem, vt_smem, k_smem, vec_smem, row_smem, col_smem), bars, mma = (
+            next(it), next(it), next(it))
         kt_bar, vt_bar, k_bar, q_bar, col_bar, kt_free, vt_free, k_free = bars
         nb = 4 + n_rows
         h, i, b = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
@@ -542,9 +511,10 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            q0 = i * CTA_ROWS + wg * WG_ROWS
+            q0 = i * R * CONSUMERS + wg * R
             my_q, my_do, my_ds = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
-            sl = pl.ds(q0, WG_ROWS)
+            unit = arch.unit(mma, wg, tk, {"dq": D})
+            sl = pl.ds(q0, R)
             plgpu.copy_gmem_to_smem(q_ref.at[b, sl, h], my_q, q_bar.at[wg * nb])
             plgpu.copy_gmem_to_smem(do_ref.at[b, sl, h], my_do, q_bar.at[wg * nb + 1])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, sl], vec_smem.at[wg, 0], q_bar.at[wg * nb + 2])
@@ -553,9 +523,9 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                 plgpu.copy_gmem_to_smem(rb(ref).at[sl], row_smem[r].at[wg], q_bar.at[wg * nb + 4 + r])
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
-            shape = (WG_ROWS, tk)
-            lse_v, delta_v = _load(vec_smem.at[wg, 0], 0), _load(vec_smem.at[wg, 1], 0)
-            row_vecs = [_load(row_smem[r].at[wg], 0) for r in range(n_rows)]
+            shape = (R, tk)
+            lse_v, delta_v = _load(arch, vec_smem.at[wg, 0], 0), _load(arch, vec_smem.at[wg, 1], 0)
+            row_vecs = [_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows)]
 
             def step(masked):
                 def body(t, carry):
@@ -563,32 +533,22 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                     slot = _rem(t, stages)
                     ks = walk.tile(t) * tk
                     plgpu.barrier_wait(kt_bar.at[slot])
-
-                    def mma_s(acc_ref):
-                        plgpu.wgmma(acc_ref, my_q, kt_smem.at[slot])
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(mma_s, plgpu.ACC(shape, jnp.float32)) * scale
+                    s = unit.fresh(my_q, kt_smem.at[slot]) * scale
                     plgpu.barrier_arrive(kt_free.at[slot])
                     plgpu.barrier_wait(vt_bar.at[slot])
-
-                    def mma_dp(acc_ref):
-                        plgpu.wgmma(acc_ref, my_do, vt_smem.at[slot])
-                        return acc_ref[...]
-
-                    dp = pl.run_scoped(mma_dp, plgpu.ACC(shape, jnp.float32))
+                    dp = unit.fresh(my_do, vt_smem.at[slot])
                     plgpu.barrier_arrive(vt_free.at[slot])
-                    q_iota = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    q_iota = q0 + arch.iota(shape, 0)
                     q_idx = jnp.minimum(q_iota, g.q_len - 1)
-                    row_vals = [lax.broadcast_in_dim(x, shape, [0]) for x in row_vecs]
-                    lse_t = lax.broadcast_in_dim(lse_v, shape, [0])
-                    delta_t = lax.broadcast_in_dim(delta_v, shape, [0])
-                    kv_iota = ks + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    row_vals = [arch.broadcast(x, shape, [0]) for x in row_vecs]
+                    lse_t = arch.broadcast(lse_v, shape, [0])
+                    delta_t = arch.broadcast(delta_v, shape, [0])
+                    kv_iota = ks + arch.iota(shape, 1)
                     kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
                     col_vals = []
                     for c in range(n_cols):
                         plgpu.barrier_wait(col_bar.at[c * stages + slot])
-                        col_vals.append(lax.broadcast_in_dim(_load(col_smem[c].at[slot], 1), shape, [1]))
+                        col_vals.append(arch.broadcast(_load(arch, col_smem[c].at[slot], 1), shape, [1]))
                     valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                     _, ds, d_rows, _ = _tile_probs(mods, s, lse_t, delta_t, dp, b, h, q_idx, kv_idx, valid, masked,
                                                    row_vals, col_vals, n_srows, n_scols)
@@ -596,18 +556,17 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                     plgpu.commit_smem()
                     plgpu.barrier_wait(k_bar.at[slot])
 
-                    dq = _mma_add(dq, my_ds, k_smem.at[slot])
+                    dq = unit.add(dq, "dq", my_ds, k_smem.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     drs = tuple(a + d_rows[r].sum(axis=1) for a, r in zip(drs, d_row_ids))
                     return dq, drs
 
                 return body
 
-            zero_row = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
-            carry = (_zeros(D), tuple(zero_row for _ in d_row_ids))
+            carry = (unit.zeros("dq"), tuple(arch.full(R, 0.0) for _ in d_row_ids))
             carry = lax.fori_loop(0, walk.n_partial, step(True), carry)
             dq, drs = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
-            _store(my_q, tuple(d * scale for d in dq))
+            _store(my_q, tuple(d * scale for d in unit.chunks(dq, "dq")))
             for r, d in enumerate(drs):
                 vec_smem[wg, 2 + r] = d
             plgpu.commit_smem()
@@ -619,14 +578,14 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
     # One swizzle for every tile (wgmma takes both operands with the same): the key tile's.
     tr = _transforms(dtype, tk)
     scratch = (
-        (plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, WG_ROWS, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, WG_ROWS, tk), dtype, transforms=tr),
+        (plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
+         plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
          plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
          plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
          plgpu.SMEM((stages, tk, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, 2 + n_dr, WG_ROWS), jnp.float32),
-         tuple(plgpu.SMEM((CONSUMERS, WG_ROWS), r.dtype) for r in rows),
+         plgpu.SMEM((CONSUMERS, 2 + n_dr, R), jnp.float32),
+         tuple(plgpu.SMEM((CONSUMERS, R), r.dtype) for r in rows),
          tuple(plgpu.SMEM((stages, tk), c.dtype) for c in cols)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=CONSUMERS * (4 + n_rows)),
@@ -634,21 +593,22 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)),
+        arch.scratch(CONSUMERS, tk, {"dq": D}),
     )
     vec = jax.ShapeDtypeStruct((B, Hq, g.sq), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, g.sq, Hq, D), dtype), *(vec for _ in d_row_ids))
-    call = _call(kernel, out_type, scratch, (Hq, g.sq // CTA_ROWS, B), ("h", "q", "b"), interpret,
+    call = _call(kernel, out_type, scratch, (Hq, g.sq // (R * CONSUMERS), B), ("h", "q", "b"), interpret,
                  "flexjax_mgpu_dq")
     kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 3, 1)
     return call(*lists.by_q, q, kt, vt, k, do, lse, delta, *rows, *cols)
 
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
-         stages, interpret):
-    """dK, dV: per CTA ``DKV_ROWS`` key rows (``DKV_CONSUMERS`` consumers of 64) over the query heads of the GQA group
+         stages, interpret, arch):
+    """dK, dV: per CTA ``DKV_CONSUMERS`` consumers of ``arch.rows`` key rows over the query heads of the GQA group
     and each head's column of q tiles; the producer streams Q^T, dO^T (for S^T and dP^T), Q and
     dO (for dS^T Q and P^T dO), lse, delta and the hoisted rows through the ring."""
-    B, Hq, Hkv, D, tq = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq
+    B, Hq, Hkv, D, tq, R = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq, arch.rows
     W = DKV_CONSUMERS
     dtype = q.dtype
     n_rows, n_cols, n_dc = len(rows), len(cols), len(d_col_ids)
@@ -662,7 +622,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
         col_refs = tuple(next(it) for _ in range(n_cols))
         dk_ref, dv_ref = next(it), next(it)
         dcol_refs = tuple(next(it) for _ in range(n_dc))
-        (k_smem, v_smem, p_smem, ring, vec_ring, _, col_smem, dcol_smem), bars = next(it), next(it)
+        (k_smem, v_smem, p_smem, ring, vec_ring, _, col_smem, dcol_smem), bars, mma = next(it), next(it), next(it)
         qt_smem, dot_smem, q_smem, do_smem = ring
         ring_bar, ring_free, vec_bar, kv_bar = bars
         j, kvh, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
@@ -715,15 +675,15 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
         def _consumer():
             if W > 1:
                 plgpu.set_max_registers(232, action="increase")
-            k0 = j * DKV_ROWS + wg * WG_ROWS
-            sl = pl.ds(k0, WG_ROWS)
+            k0 = j * R * W + wg * R
+            sl = pl.ds(k0, R)
             my_k, my_v, my_p = k_smem.at[wg], v_smem.at[wg], p_smem.at[wg]
+            unit = arch.unit(mma, wg, tq, {"dk": D, "dv": D})
             plgpu.copy_gmem_to_smem(k_ref.at[b, sl, kvh], my_k, kv_bar.at[wg * 2])
             plgpu.copy_gmem_to_smem(v_ref.at[b, sl, kvh], my_v, kv_bar.at[wg * 2 + 1])
             plgpu.barrier_wait(kv_bar.at[wg * 2])
             plgpu.barrier_wait(kv_bar.at[wg * 2 + 1])
-            shape = (WG_ROWS, tq)
-            zero_col = plgpu.layout_cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), _layout(0))
+            shape = (R, tq)
 
             def head(gi, carry):
                 dk, dv, t0 = carry
@@ -734,7 +694,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                 for c, ref in enumerate(col_refs):
                     plgpu.copy_gmem_to_smem(rb(ref, h).at[sl], col_smem[c].at[wg], kv_bar.at[W * 2 + wg])
                     plgpu.barrier_wait(kv_bar.at[W * 2 + wg])
-                    col_vals.append(_load(col_smem[c].at[wg], 0))
+                    col_vals.append(_load(arch, col_smem[c].at[wg], 0))
 
                 def step(masked):
                     def body(u, c):
@@ -743,29 +703,19 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         slot = _rem(t, stages)
                         qs = walk.tile(u) * tq
                         plgpu.barrier_wait(ring_bar.at[slot])
-
-                        def mma_st(acc_ref):
-                            plgpu.wgmma(acc_ref, my_k, qt_smem.at[slot])
-                            return acc_ref[...]
-
-                        st = pl.run_scoped(mma_st, plgpu.ACC(shape, jnp.float32)) * scale
+                        st = unit.fresh(my_k, qt_smem.at[slot]) * scale
                         plgpu.barrier_wait(ring_bar.at[stages + slot])
-
-                        def mma_dpt(acc_ref):
-                            plgpu.wgmma(acc_ref, my_v, dot_smem.at[slot])
-                            return acc_ref[...]
-
-                        dpt = pl.run_scoped(mma_dpt, plgpu.ACC(shape, jnp.float32))
+                        dpt = unit.fresh(my_v, dot_smem.at[slot])
                         for n in range(n_vec):
                             plgpu.barrier_wait(vec_bar.at[n * stages + slot])
-                        lse_t = lax.broadcast_in_dim(_load(vec_ring[0].at[slot], 1), shape, [1])
-                        delta_t = lax.broadcast_in_dim(_load(vec_ring[1].at[slot], 1), shape, [1])
-                        row_vals = [lax.broadcast_in_dim(_load(vec_ring[2 + r].at[slot], 1), shape, [1])
+                        lse_t = arch.broadcast(_load(arch, vec_ring[0].at[slot], 1), shape, [1])
+                        delta_t = arch.broadcast(_load(arch, vec_ring[1].at[slot], 1), shape, [1])
+                        row_vals = [arch.broadcast(_load(arch, vec_ring[2 + r].at[slot], 1), shape, [1])
                                     for r in range(n_rows)]
-                        col_tiles = [lax.broadcast_in_dim(x, shape, [0]) for x in col_vals]
-                        kv_iota = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                        col_tiles = [arch.broadcast(x, shape, [0]) for x in col_vals]
+                        kv_iota = k0 + arch.iota(shape, 0)
                         kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
-                        q_iota = qs + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                        q_iota = qs + arch.iota(shape, 1)
                         q_idx = jnp.minimum(q_iota, g.q_len - 1)
                         valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                         pt, dst, _, d_cols = _tile_probs(mods, st, lse_t, delta_t, dpt, b, h, q_idx, kv_idx, valid,
@@ -774,19 +724,19 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         plgpu.commit_smem()
                         plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
 
-                        dv = _mma_add(dv, my_p, do_smem.at[slot])
+                        dv = unit.add(dv, "dv", my_p, do_smem.at[slot])
                         my_p[...] = dst.astype(dtype)
                         plgpu.commit_smem()
                         plgpu.barrier_wait(ring_bar.at[2 * stages + slot])
 
-                        dk = _mma_add(dk, my_p, q_smem.at[slot])
+                        dk = unit.add(dk, "dk", my_p, q_smem.at[slot])
                         plgpu.barrier_arrive(ring_free.at[slot])
                         dcs = tuple(a + d_cols[c].sum(axis=1) for a, c in zip(dcs, d_col_ids))
                         return dk, dv, dcs
 
                     return body
 
-                c = (dk, dv, tuple(zero_col for _ in d_col_ids))
+                c = (dk, dv, tuple(arch.full(R, 0.0) for _ in d_col_ids))
                 c = lax.fori_loop(0, walk.n_partial, step(True), c)
                 dk, dv, dcs = lax.fori_loop(walk.n_partial, walk.n, step(False), c)
                 for n, d in enumerate(dcs):
@@ -798,11 +748,10 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                     plgpu.wait_smem_to_gmem(0)
                 return dk, dv, t0 + walk.n
 
-            # 64-column chunks (32 registers per fresh accumulator); 32 spilled more on sm_90a.
-            chunk = 64
-            dk, dv, _ = lax.fori_loop(0, g.G, head, (_zeros(D, chunk), _zeros(D, chunk), jnp.int32(0)))
-            _store(my_k, tuple(d * scale for d in dk))
-            _store(my_v, dv)
+            # On sm_90a, 64-column chunks (32 registers per fresh accumulator); 32 spilled more there.
+            dk, dv, _ = lax.fori_loop(0, g.G, head, (unit.zeros("dk"), unit.zeros("dv"), jnp.int32(0)))
+            _store(my_k, tuple(d * scale for d in unit.chunks(dk, "dk")))
+            _store(my_v, unit.chunks(dv, "dv"))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, sl, kvh])
             plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, sl, kvh])
@@ -812,40 +761,43 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
     tr = tr_q = _transforms(dtype, tq)
     vec_dtypes = (jnp.float32, jnp.float32) + tuple(r.dtype for r in rows)
     scratch = (
-        (plgpu.SMEM((W, WG_ROWS, D), dtype, transforms=tr),
-         plgpu.SMEM((W, WG_ROWS, D), dtype, transforms=tr),
-         plgpu.SMEM((W, WG_ROWS, tq), dtype, transforms=tr_q),
+        (plgpu.SMEM((W, R, D), dtype, transforms=tr),
+         plgpu.SMEM((W, R, D), dtype, transforms=tr),
+         plgpu.SMEM((W, R, tq), dtype, transforms=tr_q),
          (plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q), plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q),
           plgpu.SMEM((stages, tq, D), dtype, transforms=tr), plgpu.SMEM((stages, tq, D), dtype, transforms=tr)),
          tuple(plgpu.SMEM((stages, tq), dt) for dt in vec_dtypes),
          (),
-         tuple(plgpu.SMEM((W, WG_ROWS), c.dtype) for c in cols),
-         plgpu.SMEM((W, max(n_dc, 1), WG_ROWS), jnp.float32)),
+         tuple(plgpu.SMEM((W, R), c.dtype) for c in cols),
+         plgpu.SMEM((W, max(n_dc, 1), R), jnp.float32)),
         (plgpu.Barrier(num_barriers=4 * stages),
          plgpu.Barrier(num_arrivals=W, num_barriers=stages),
          plgpu.Barrier(num_barriers=len(vec_dtypes) * stages),
          plgpu.Barrier(num_barriers=W * 3)),
+        arch.scratch(W, tq, {"dk": D, "dv": D}),
     )
     vec = jax.ShapeDtypeStruct((B, Hq, g.skv), jnp.float32)
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
                 *(vec for _ in d_col_ids))
-    call = _call(kernel, out_type, scratch, (g.skv // DKV_ROWS, Hkv, B), ("k", "h", "b"), interpret,
+    call = _call(kernel, out_type, scratch, (g.skv // (R * W), Hkv, B), ("k", "h", "b"), interpret,
                  "flexjax_mgpu_dkv", consumers=W)
     qt, dot_ = q.transpose(0, 2, 3, 1), do.transpose(0, 2, 3, 1)
     return call(q_n, q_i, fq_n, fq_i, qt, dot_, q, do, k, v, lse, delta, *rows, *cols)
 
 
-def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2) -> dict[str, int]:
-    """Shared memory of each kernel, from its scratch (barriers and the few row/column vectors aside).
+def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2, rows: int = 64) -> dict[str, int]:
+    """Shared memory of each kernel, from its scratch (barriers and the few row/column vectors aside),
+    with ``rows`` rows per consumer (``arch.rows``: 64 on sm_90a, 128 on sm_100a).
 
     Each 16-bit tile is rounded up to 1 KiB (a 128-byte swizzle's alignment).
     """
+    R = rows
     def tile(r, c, n=1):
         return n * -(-(r * c * itemsize) // 1024) * 1024
 
-    fwd = tile(WG_ROWS, D, CONSUMERS) + 2 * tile(tk, D, stages) + tile(WG_ROWS, tk, CONSUMERS)
-    dq = 2 * tile(WG_ROWS, D, CONSUMERS) + tile(WG_ROWS, tk, CONSUMERS) + 3 * tile(tk, D, stages)
-    dkv = (2 * tile(WG_ROWS, D, DKV_CONSUMERS) + tile(WG_ROWS, tq_dkv, DKV_CONSUMERS)
+    fwd = tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + tile(R, tk, CONSUMERS)
+    dq = 2 * tile(R, D, CONSUMERS) + tile(R, tk, CONSUMERS) + 3 * tile(tk, D, stages)
+    dkv = (2 * tile(R, D, DKV_CONSUMERS) + tile(R, tq_dkv, DKV_CONSUMERS)
            + 4 * tile(tq_dkv, D, stages))
     return {"fwd": fwd, "dq": dq, "dkv": dkv}
 
@@ -854,4 +806,4 @@ def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2) -> 
 # less 2 KiB for the barriers and the per-row vectors.
 SMEM_LIMIT = 232448 - 2048
 
-__all__ = ["forward", "backward", "smem_bytes", "SMEM_LIMIT", "WG_ROWS", "CTA_ROWS", "DKV_ROWS"]
+__all__ = ["forward", "backward", "smem_bytes", "SMEM_LIMIT", "cta_rows", "dkv_rows", "CONSUMERS"]

@@ -1,0 +1,212 @@
+"""The kernels' matrix units: Hopper's ``wgmma`` and Blackwell's ``tcgen05``, behind one interface.
+
+Each consumer warpgroup of a kernel owns a ``Unit``; the kernels call only these methods, so the
+producer, the block-sparse walk, the mods, the softmax and the epilogues are one code for both
+architectures:
+
+- ``fresh(a, b, after)``: ``a @ b`` (float32, ``(rows, n)``, in the arch's register layout),
+  read by the caller; ``after`` runs once the MMA is issued (the forward's ping-pong barrier);
+- ``zeros(name)``, ``add(acc, name, a, b, after)``, ``scale(acc, name, alpha)``,
+  ``chunks(acc, name)``: a running ``(rows, D)`` float32 accumulator (``O``, ``dQ``, ``dK``,
+  ``dV``) that the caller threads through its loops as ``acc``.
+
+``Hopper`` (sm_90a): 64 rows per warpgroup (wgmma's M), accumulators in registers as (64, 64)
+chunks; every MMA writes a fresh accumulator that is added in registers (Mosaic GPU's
+interpreter has no ``run_state``, so the kernels never MMA into a live one).
+
+``Blackwell`` (sm_100a): 128 rows per warpgroup (tcgen05's M, one tensor-memory lane per
+thread); the accumulators live in tensor memory (TMEM), so they cost no registers: ``add`` is an
+MMA that accumulates there, ``scale`` a TMEM load, multiply and store, ``chunks`` the loads of
+the epilogue (``acc`` is an empty tuple). Each MMA is issued by one thread, committed to a
+barrier that orders the tensor core, and waited on before its result or inputs are touched.
+The consumer's TMEM columns: one ``fresh`` slot as wide as the widest fresh product, then each
+accumulator's ``D`` columns.
+
+``Blackwell(emulate=True)``: the same kernels in Mosaic GPU's interpreter, which has no tcgen05
+or TMEM: TMEM is a float32 shared-memory buffer and each MMA a (128-row) wgmma whose result is
+stored or added there. Everything but the four tcgen05 / TMEM primitives runs as on the GPU.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Columns of an accumulator per MMA / TMEM access: 64 (32 registers a thread at 64 rows, 64 at 128).
+CHUNK = 64
+
+
+class _Arch:
+    name: str
+    rows: int
+    tile_layout: object
+
+    def layout(self, axis_kept: int | None):
+        """The register layout of a tile (None) or of its rows (0: one value per row) / columns (1)."""
+        if axis_kept is None:
+            return self.tile_layout
+        return self.tile_layout.reduce(1 - axis_kept)
+
+    def iota(self, shape, dim: int):
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.tile_layout)
+
+    def broadcast(self, x, shape, dims):
+        """``lax.broadcast_in_dim`` into the arch's tile layout: a column vector's layout is the same
+        for wgmma and tcgen05 tiles, so Mosaic GPU needs the result's layout named."""
+        return plgpu.layout_cast(lax.broadcast_in_dim(x, shape, dims), self.tile_layout)
+
+    def full(self, n: int, value: float):
+        """A (rows,) float32 vector of ``value`` in the layout of a tile's rows."""
+        return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), self.layout(0))
+
+
+class Hopper(_Arch):
+    name, rows, tile_layout = "sm_90a", 64, plgpu.Layout.WGMMA
+
+    def scratch(self, units: int, fresh: int, accs: dict[str, int]):
+        return ()
+
+    def unit(self, scratch, index, fresh: int, accs: dict[str, int]):
+        return _WgmmaUnit(self, accs)
+
+
+class _WgmmaUnit:
+    def __init__(self, arch, accs):
+        self.arch, self.accs = arch, accs
+
+    def fresh(self, a, b, after=None):
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            if after is not None:
+                after()
+            return acc_ref[...]
+
+        return pl.run_scoped(mma, plgpu.ACC((self.arch.rows, b.shape[1]), jnp.float32))
+
+    def zeros(self, name):
+        shape = (self.arch.rows, CHUNK)
+        return tuple(plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), self.arch.layout(None))
+                     for _ in range(self.accs[name] // CHUNK))
+
+    def add(self, acc, name, a, b, after=None):
+        """``acc[c] + a @ b[:, c * 64:(c + 1) * 64]`` for each chunk ``c``; ``after`` once the last is issued."""
+        out = []
+        for c, x in enumerate(acc):
+            last = after if c == len(acc) - 1 else None
+            out.append(x + self.fresh(a, b.at[:, pl.ds(c * CHUNK, CHUNK)], last))
+        return tuple(out)
+
+    def scale(self, acc, name, alpha):
+        return tuple(x * self.arch.broadcast(alpha, x.shape, [0]) for x in acc)
+
+    def chunks(self, acc, name):
+        return acc
+
+
+class Blackwell(_Arch):
+    name, rows, tile_layout = "sm_100a", 128, plgpu.Layout.TCGEN05
+
+    def __init__(self, emulate: bool = False):
+        self.emulate = emulate
+
+    @staticmethod
+    def columns(fresh: int, accs: dict[str, int]) -> int:
+        """TMEM columns of one unit: the fresh slot, then the accumulators."""
+        return fresh + sum(accs.values())
+
+    def scratch(self, units: int, fresh: int, accs: dict[str, int]):
+        cols = units * self.columns(fresh, accs)
+        if self.emulate:
+            return (plgpu.SMEM((self.rows, cols), jnp.float32), plgpu.Barrier(num_barriers=units))
+        # Tensor memory is allocated in powers of two columns (32 to 512).
+        alloc = max(32, 1 << (cols - 1).bit_length())
+        return (plgpu.TMEM((self.rows, alloc), jnp.float32),
+                plgpu.Barrier(num_barriers=units, orders_tensor_core=True))
+
+    def unit(self, scratch, index, fresh: int, accs: dict[str, int]):
+        mem, bar = scratch
+        base = index * self.columns(fresh, accs)
+        offsets, at = {}, base + fresh
+        for name, width in accs.items():
+            offsets[name] = at
+            at += width
+        return _Tcgen05Unit(self, mem, bar.at[index], base, offsets, accs)
+
+
+class _Tcgen05Unit:
+    def __init__(self, arch, mem, bar, fresh_at, offsets, accs):
+        self.arch, self.mem, self.bar = arch, mem, bar
+        self.fresh_at, self.offsets, self.accs = fresh_at, offsets, accs
+        self.emulate = arch.emulate
+
+    def _cols(self, at: int, n: int):
+        return self.mem.at[:, pl.ds(at, n)]
+
+    def _mma(self, dst, a, b, accumulate: bool, after=None):
+        if self.emulate:
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, a, b)
+                if after is not None:
+                    after()
+                return acc_ref[...]
+
+            x = pl.run_scoped(mma, plgpu.ACC((self.arch.rows, b.shape[1]), jnp.float32))
+            dst[...] = dst[...] + x if accumulate else x
+            return
+        plgpu.tcgen05_mma(dst, a, b, accumulate=accumulate)
+        plgpu.tcgen05_commit_arrive(self.bar)
+        if after is not None:
+            after()
+        plgpu.barrier_wait(self.bar)
+
+    def _load(self, ref):
+        if self.emulate:
+            return plgpu.layout_cast(ref[...], self.arch.layout(None))
+        x = plgpu.async_load_tmem(ref, layout=self.arch.layout(None))
+        plgpu.wait_load_tmem()
+        return x
+
+    def _store(self, ref, x):
+        if self.emulate:
+            ref[...] = x
+        else:
+            plgpu.async_store_tmem(ref, x)
+
+    def _commit(self):
+        if not self.emulate:
+            plgpu.commit_tmem()
+
+    def fresh(self, a, b, after=None):
+        ref = self._cols(self.fresh_at, b.shape[1])
+        self._mma(ref, a, b, False, after)
+        return self._load(ref)
+
+    def zeros(self, name):
+        z = plgpu.layout_cast(jnp.full((self.arch.rows, CHUNK), 0.0, jnp.float32), self.arch.layout(None))
+        for c in range(self.accs[name] // CHUNK):
+            self._store(self._cols(self.offsets[name] + c * CHUNK, CHUNK), z)
+        self._commit()
+        return ()
+
+    def add(self, acc, name, a, b, after=None):
+        self._mma(self._cols(self.offsets[name], self.accs[name]), a, b, True, after)
+        return ()
+
+    def scale(self, acc, name, alpha):
+        for c in range(self.accs[name] // CHUNK):
+            ref = self._cols(self.offsets[name] + c * CHUNK, CHUNK)
+            x = self._load(ref)
+            self._store(ref, x * self.arch.broadcast(alpha, x.shape, [0]))
+        self._commit()
+        return ()
+
+    def chunks(self, acc, name):
+        return tuple(self._load(self._cols(self.offsets[name] + c * CHUNK, CHUNK))
+                     for c in range(self.accs[name] // CHUNK))
+
+
+def for_capability(cc: int, interpret: bool) -> _Arch:
+    """The matrix unit of compute capability ``cc`` (90 or 100); emulated in the interpreter."""
+    return Blackwell(emulate=interpret) if cc >= 100 else Hopper()
