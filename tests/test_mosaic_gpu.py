@@ -3,9 +3,14 @@ its refusals, and its place in the GPU dispatch order.
 
 The interpreter simulates the kernels' three warpgroups, shared memory, TMA copies, barriers and
 wgmma (about 5 s for a forward and 10-20 s for a backward at these shapes on 2 cores), so
-``make test`` runs one catalog entry; the tests marked ``mosaic_gpu`` (every entry the backend
-takes, float16 and bfloat16, MHA / GQA / ragged lengths) run in ``make test-compile``. The
-kernels' sm_90a compiles are ``tests_compile/mosaic_gpu_suite.py``.
+``make test`` runs one catalog entry per arch; the tests marked ``mosaic_gpu`` (every entry the
+backend takes, float16 and bfloat16, MHA / GQA / ragged lengths) run in ``make test-compile``.
+
+Both archs' kernels run here: sm_90a's (``compute_capability`` 90, the default) as written, and
+sm_100a's (``compute_capability=100``: 128-row warpgroups, accumulators in tensor memory) with the
+tcgen05 MMA and the tensor memory emulated by wgmma and a shared-memory buffer
+(``_mma.Blackwell(emulate=True)``), which the interpreter has instead. The kernels' sm_90a and
+sm_100a compiles are ``tests_compile/mosaic_gpu_suite.py``.
 """
 
 from __future__ import annotations
@@ -31,26 +36,31 @@ SHAPES = {
 # buckets): refused (the kernels do not gather), served by triton.
 GATHERS = ("prefix_lm+relative_bias", "document+t5", "per_head_mask+relative_bias", "captured_scalars")
 TAKEN = [c.name for c in CATALOG if c.name not in GATHERS]
-# make test: one entry (GQA, ragged lengths, a score_mod reading h, a sliding window).
+# make test: one entry per arch (GQA, ragged lengths, a score_mod reading h, a sliding window).
 DEFAULT = ("sliding_window+alibi", "small_gqa_ragged", jnp.bfloat16)
+ARCHS = {"sm_90a": 90, "sm_100a": 100}
 
 
 def _grid():
     shapes = [s for s in SHAPES if not s.startswith("small")]
-    out = [pytest.param(*DEFAULT, id="default-" + "-".join(map(str, DEFAULT[:2])))]
+    out = [pytest.param(*DEFAULT, arch, id=f"default-{arch}-" + "-".join(map(str, DEFAULT[:2]))) for arch in ARCHS]
     for n, name in enumerate(TAKEN):
         for dtype in (jnp.bfloat16, jnp.float16):
             shape = shapes[(n + (dtype == jnp.float16)) % len(shapes)]
-            case = (name, shape, dtype)
+            case = (name, shape, dtype, "sm_90a")
             out.append(pytest.param(*case, id=f"{name}-{shape}-{jnp.dtype(dtype).name}",
                                     marks=(pytest.mark.mosaic_gpu,)))
+        # sm_100a: every entry once, at the shape sm_90a's float16 run does not take.
+        shape = shapes[(n + 2) % len(shapes)]
+        out.append(pytest.param(name, shape, jnp.bfloat16, "sm_100a", id=f"{name}-{shape}-bfloat16-sm_100a",
+                                marks=(pytest.mark.mosaic_gpu,)))
     return out
 
 
-@pytest.mark.parametrize("name,shape,dtype", _grid())
-def test_catalog_in_the_interpreter(name, shape, dtype):
+@pytest.mark.parametrize("name,shape,dtype,arch", _grid())
+def test_catalog_in_the_interpreter(name, shape, dtype, arch):
     """out, lse, dq, dk, dv and the captured arrays' gradients against the float32 reference."""
-    check_case("mosaic_gpu", name, SHAPES[shape], dtype)
+    check_case("mosaic_gpu", name, SHAPES[shape], dtype, kernel_options={"compute_capability": ARCHS[arch]})
 
 
 def _qkv(shape=(1, 128, 2, 64), dtype=jnp.bfloat16, hkv=None):
@@ -117,7 +127,32 @@ def test_refuses_dropout():
 def test_refuses_other_compute_capabilities():
     q, k, v = _qkv()
     reason = _reason(q, k, v, kernel_options={"target": "cuda", "compute_capability": 80})
-    assert "9.0" in reason
+    assert "9.0" in reason and "10.0" in reason
+
+
+def test_takes_hopper_and_blackwell():
+    """Compute capabilities 9.0 and 10.0 are served (the call is planned, no kernel runs), with
+    each arch's CTA: 128 query rows on sm_90a, 256 on sm_100a."""
+    from flexjax.backends import mosaic_gpu as backend
+
+    q, k, v = _qkv()
+    for cc, rows in ((90, 128), (100, 256)):
+        e = flexjax.explain(q, k, v, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": cc})
+        assert e.backend == "mosaic_gpu"
+        assert backend.heuristics(64, (128, 128), cc).block_q == rows
+
+
+def test_refuses_past_tensor_memory(monkeypatch):
+    """sm_100a's accumulators live in tensor memory; a call whose tiles need more columns than an SM
+    has is refused with the reason (here the limit is lowered: the shared-memory limit binds first
+    at every head dim and tile the backend takes)."""
+    from flexjax.backends.mosaic_gpu import _kernels
+
+    q, k, v = _qkv()
+    monkeypatch.setattr(_kernels, "TMEM_COLUMNS", 128)
+    reason = _reason(q, k, v, kernel_options={"target": "cuda", "compute_capability": 100})
+    assert "tensor-memory columns" in reason
+    flexjax.explain(q, k, v, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": 90})
 
 
 def test_option_errors_name_the_key():
@@ -160,7 +195,7 @@ def test_catalog_entries_taken_are_the_non_gathering_ones():
 
 # -- dispatch when lowering for a Hopper GPU from this CPU host -----------------------------------
 
-def _lower_for_h100(score_mod, grad: bool = False):
+def _lower_for_h100(score_mod, grad: bool = False, device="NVIDIA H100 80GB HBM3", options=None):
     """Lowered text of a causal call with ``backend=None`` and the GPU's backend order, for cuda."""
     import warnings
 
@@ -170,11 +205,12 @@ def _lower_for_h100(score_mod, grad: bool = False):
     bm = flexjax.create_block_mask(masks.causal, None, None, S, S)
 
     def fwd(q, k, v):
-        return flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, kernel_options={"target": "cuda"})
+        return flexjax.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                      kernel_options={"target": "cuda", **(options or {})})
 
     f = jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if grad else fwd
     q = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H100 80GB HBM3", 1, "cuda"))
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device, 1, "cuda"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with jax.sharding.use_abstract_mesh(mesh):
@@ -189,6 +225,21 @@ def test_backend_none_picks_mosaic_gpu_on_hopper(monkeypatch):
     text, warned = _lower_for_h100(mods.soft_cap(20.0), grad=True)
     assert "mosaic_gpu" in text and not warned
     assert text.count("flexjax_mgpu_") >= 3 or text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
+
+
+def test_backend_none_picks_mosaic_gpu_on_blackwell(monkeypatch):
+    """Compute capability 10.0 (named, as a CPU host cannot read it from a B200): the sm_100a kernels."""
+    from flexjax import _api
+    from flexjax.backends.mosaic_gpu import _mma
+
+    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    built = []
+    unit = _mma.Blackwell.unit
+    monkeypatch.setattr(_mma.Blackwell, "unit", lambda self, *a: built.append(self.emulate) or unit(self, *a))
+    text, warned = _lower_for_h100(mods.soft_cap(20.0), grad=True, device="NVIDIA B200",
+                                   options={"compute_capability": 100})
+    assert "mosaic_gpu" in text and not warned
+    assert len(built) >= 3 and not any(built)  # forward, dQ and dK/dV on tcgen05, none emulated
 
 
 def test_backend_none_falls_past_mosaic_gpu_for_a_gather(monkeypatch):

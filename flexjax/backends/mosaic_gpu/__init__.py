@@ -191,6 +191,13 @@ def supports(spec, q, k, v) -> str | None:
                     f"(tiles block_kv={o.block_kv}, bwd_block_kv={o.bwd_block_kv}, stages {o.num_stages}/"
                     f"{o.bwd_num_stages}), over the {_kernels.SMEM_LIMIT // 1024} KiB a block has; head dims "
                     "64 and 128 fit, or use backend='triton'")
+    if isinstance(_arch(o), _mma.Blackwell):
+        tmem = _kernels.tmem_columns(D, o.block_kv, o.bwd_block_kv, o.bwd_block_q)
+        for kernel, need in tmem.items():
+            if need > _kernels.TMEM_COLUMNS:
+                return (f"the mosaic_gpu sm_100a {kernel} kernel needs {need} tensor-memory columns at head dim {D} "
+                        f"(tiles block_kv={o.block_kv}, bwd_block_kv={o.bwd_block_kv}, bwd_block_q={o.bwd_block_q}), "
+                        f"over the {_kernels.TMEM_COLUMNS} an SM has; use smaller tiles")
     try:
         _mods(spec)
     except NotImplementedError as e:

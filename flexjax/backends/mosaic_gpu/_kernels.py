@@ -124,10 +124,13 @@ def _drain(n, stages: int, *frees):
             plgpu.barrier_wait(free.at[_rem(t, stages)])
 
 
-def _store(ref, accs, scale=None):
-    """Writes the chunks ``accs`` (times the per-row ``scale``) into the (64, D) shared-memory ``ref``."""
+def _store(ref, accs, scale=None, factor=None):
+    """Writes the chunks ``accs`` (times the per-row ``scale`` and the scalar ``factor``) into the
+    (rows, D) shared-memory ``ref``; ``accs`` may be a generator (sm_100a: each chunk loaded from
+    tensor memory as it is stored, so one chunk is live at a time)."""
     for c, acc in enumerate(accs):
         x = acc if scale is None else acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+        x = x if factor is None else x * factor
         w = acc.shape[1]
         ref.at[:, pl.ds(c * w, w)][...] = x.astype(ref.dtype)
 
@@ -566,7 +569,7 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
             carry = (unit.zeros("dq"), tuple(arch.full(R, 0.0) for _ in d_row_ids))
             carry = lax.fori_loop(0, walk.n_partial, step(True), carry)
             dq, drs = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
-            _store(my_q, tuple(d * scale for d in unit.chunks(dq, "dq")))
+            _store(my_q, unit.chunks(dq, "dq"), factor=scale)
             for r, d in enumerate(drs):
                 vec_smem[wg, 2 + r] = d
             plgpu.commit_smem()
@@ -750,7 +753,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
 
             # On sm_90a, 64-column chunks (32 registers per fresh accumulator); 32 spilled more there.
             dk, dv, _ = lax.fori_loop(0, g.G, head, (unit.zeros("dk"), unit.zeros("dv"), jnp.int32(0)))
-            _store(my_k, tuple(d * scale for d in unit.chunks(dk, "dk")))
+            _store(my_k, unit.chunks(dk, "dk"), factor=scale)
             _store(my_v, unit.chunks(dv, "dv"))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_k, dk_ref.at[b, sl, kvh])
@@ -802,8 +805,22 @@ def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2, row
     return {"fwd": fwd, "dq": dq, "dkv": dkv}
 
 
-# What an sm_90 block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200),
+def tmem_columns(D: int, tk: int, tk_dq: int, tq_dkv: int) -> dict[str, int]:
+    """Tensor-memory columns of each sm_100a kernel (128 lanes each): per consumer, a fresh slot as
+    wide as its key (query) tile and ``D`` columns per accumulator (``_mma.Blackwell.columns``)."""
+    from ._mma import Blackwell
+
+    return {"fwd": CONSUMERS * Blackwell.columns(tk, {"o": D}),
+            "dq": CONSUMERS * Blackwell.columns(tk_dq, {"dq": D}),
+            "dkv": DKV_CONSUMERS * Blackwell.columns(tq_dkv, {"dk": D, "dv": D})}
+
+
+# Tensor memory of an sm_100 SM: 128 lanes of 512 32-bit columns.
+TMEM_COLUMNS = 512
+
+# What an sm_90 / sm_100 block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200 / B200),
 # less 2 KiB for the barriers and the per-row vectors.
 SMEM_LIMIT = 232448 - 2048
 
-__all__ = ["forward", "backward", "smem_bytes", "SMEM_LIMIT", "cta_rows", "dkv_rows", "CONSUMERS"]
+__all__ = ["forward", "backward", "smem_bytes", "tmem_columns", "SMEM_LIMIT", "TMEM_COLUMNS", "cta_rows", "dkv_rows",
+           "CONSUMERS"]
