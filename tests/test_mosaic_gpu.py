@@ -119,9 +119,18 @@ def test_refuses_gathers_by_both_indices():
     assert "both q_idx and kv_idx" in reason and "triton" in reason
 
 
-def test_refuses_dropout():
-    q, k, v = _qkv()
-    assert "dropout" in _reason(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))
+@pytest.mark.mosaic_gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dropout(arch):
+    """Fused dropout against the dense truth (tests/test_dropout_kernels.py's harness: out, lse, dq,
+    dk, dv through the backend's forward_with_residuals and backward): the kernels regenerate
+    ``_dropout``'s keep mask per tile, the same bits as every backend."""
+    from test_dropout_kernels import check
+
+    from flexjax.backends import mosaic_gpu as backend
+
+    check(backend, "causal", kernel_options={"compute_capability": ARCHS[arch]}, shape=(1, 100, 150, 4, 2, 64),
+          dtype=jnp.bfloat16)
 
 
 def test_refuses_other_compute_capabilities():

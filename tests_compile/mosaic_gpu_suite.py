@@ -4,7 +4,8 @@ Run by ``make test-compile`` inside ``build/venv-compile``. Every catalog entry 
 is compiled forward and backward (``jax.grad`` through the three kernels: forward, dQ, dK/dV) for
 an H100 (``h100_target_config.txtpb``, sm_90a: the wgmma kernels) and a B200
 (``b200_target_config.txtpb``, sm_100a: the tcgen05 kernels, accumulators in tensor memory), at
-head dims 64 and 128, bfloat16 and float16, MHA and GQA. Mosaic GPU writes each kernel's
+head dims 64 and 128, bfloat16 and float16, MHA and GQA, and two entries with dropout (the
+keep-mask hash in each kernel). Mosaic GPU writes each kernel's
 ``ptxas -v`` report (``MOSAIC_GPU_DUMP_PTXAS``); a kernel fails the suite if ptxas did not
 compile it for the configuration's arch, if it spills, if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
@@ -65,7 +66,9 @@ def _configs(quick: bool):
                     if (dtype != "bfloat16" or heads != "mha") and name not in ("causal+soft_cap",
                                                                                "sliding_window+alibi"):
                         continue
-                    out.append((name, D, dtype, heads))
+                    out.append((name, D, dtype, heads, False))
+    # Dropout (the keep-mask hash in every kernel): two entries, both head dims, bfloat16 MHA.
+    out += [(name, D, "bfloat16", "mha", True) for name in ("causal", "sliding_window+alibi") for D in HEAD_DIMS]
     return out[:6] if quick else out
 
 
@@ -93,7 +96,7 @@ def _compile(f, args, mesh, dump_dir):
     return _parse_ptxas(text)
 
 
-def _compile_config(name, D, dtype_name, heads, arch, cc, mesh, sh):
+def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
     """Compiles one configuration's forward and backward; its table row."""
     import jax
     import jax.numpy as jnp
@@ -107,8 +110,9 @@ def _compile_config(name, D, dtype_name, heads, arch, cc, mesh, sh):
 
     def grads(q, k, v, params):
         def loss(q, k, v, params):
+            drop = {"dropout_rate": 0.1, "dropout_rng": jax.random.PRNGKey(0)} if dropout else {}
             out, lse = attention(q, k, v, params, backend="mosaic_gpu",
-                                 kernel_options={"target": "cuda", "compute_capability": cc})
+                                 kernel_options={"target": "cuda", "compute_capability": cc}, **drop)
             return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
@@ -123,7 +127,7 @@ def _compile_config(name, D, dtype_name, heads, arch, cc, mesh, sh):
             **{k: v for k, v in _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages,
                                                     rows=unit.rows).items() if k != "fwd"}}
     tmem = _kernels.tmem_columns(D, o.block_kv, o.bwd_block_kv, o.bwd_block_q) if arch == "sm_100a" else {}
-    row = {"case": name, "head_dim": D, "dtype": dtype_name, "heads": heads, "arch": arch}
+    row = {"case": name + ("+dropout" if dropout else ""), "head_dim": D, "dtype": dtype_name, "heads": heads, "arch": arch}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         try:
@@ -187,8 +191,8 @@ def main(argv=None) -> int:
             continue
         mesh = mesh_for(config)
         sh = NamedSharding(mesh, P())
-        for name, D, dtype_name, heads in _configs(args.quick):
-            rows.append(_compile_config(name, D, dtype_name, heads, arch, cc, mesh, sh))
+        for config in _configs(args.quick):
+            rows.append(_compile_config(*config, arch, cc, mesh, sh))
             print(json.dumps(rows[-1]), flush=True)
     if args.rows:
         with open(args.rows, "w") as f:

@@ -14,7 +14,7 @@ What it takes, and what it refuses with a reason that ``backend=None`` falls pas
 - mods that read captured arrays only through hoisted rows and columns (indexed by b, h
   and q_idx, or b, h and kv_idx) and scalars; a read indexed by both q_idx and kv_idx
   (a relative-position table) is a gather, which the kernels do not do;
-- no dropout (the keep-mask hash is not in these kernels yet).
+- dropout: the keep mask is ``_dropout``'s hash, regenerated per tile in the forward, dQ and dK/dV.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .._frontend import (
     backward_inputs,
     backward_results,
     basic_reason,
+    dropout_args,
     check_options,
     fill,
     forward_results,
@@ -169,8 +170,6 @@ def supports(spec, q, k, v) -> str | None:
         return f"the mosaic_gpu backend takes head dims that are multiples of 64 up to 256, got {D}"
     if Dv != D:
         return f"the mosaic_gpu backend takes a value head dim equal to the query's ({D}), got {Dv}"
-    if spec.dropout_rate:
-        return "the mosaic_gpu kernels have no dropout; pass backend='triton' or 'pallas' for dropout"
     o = _resolve(spec, D)
     if o.target == "cuda" and o.compute_capability not in CAPABILITIES:
         return (f"the mosaic_gpu kernels are written for compute capabilities 9.0 (wgmma) and 10.0 (tcgen05), got "
@@ -246,7 +245,7 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
     rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
     out, row_max, row_sum = _kernels.forward(g, mods, spec.scale, qp, kp, vp, lists, rows, cols,
                                              stages=o.num_stages, interpret=o.interpret, block_kv=o.block_kv,
-                                             arch=_arch(o))
+                                             arch=_arch(o), **dropout_args(spec, dropout_seed))
     return forward_results(q, v, out, row_max, row_sum)
 
 
@@ -266,5 +265,6 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
     lse_safe, delta, dop = backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
     grads = _kernels.backward(g, gk, mods, spec.scale, qp, kp, vp, dop, lse_safe, delta, lists_q, lists_kv,
-                              rows, cols, stages=o.bwd_num_stages, interpret=o.interpret, arch=arch)
+                              rows, cols, stages=o.bwd_num_stages, interpret=o.interpret, arch=arch,
+                              **dropout_args(spec, dropout_seed))
     return backward_results(spec, q, v, g, mods.score, score_consts, any(grad_consts), grads)

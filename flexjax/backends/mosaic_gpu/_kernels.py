@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ... import _dropout
 from .._layout import Geom, Mods
 
 # Two consumer warpgroups per CTA in the forward and dQ, each owning ``arch.rows`` rows (64 on
@@ -124,6 +125,41 @@ def _drain(n, stages: int, *frees):
             plgpu.barrier_wait(free.at[_rem(t, stages)])
 
 
+class _Drop:
+    """Dropout in a kernel: ``_dropout``'s keep mask of (seed, b, h, q_idx, kv_idx), the same bits as
+    every backend's. Row hashes (per query) and column hashes (per key) are vectors; a tile's
+    keep mask costs one ``fmix`` per element."""
+
+    def __init__(self, arch, rate: float, seed_ref, b, h):
+        self.arch, self.rate, self.b, self.h = arch, rate, b, h
+        self.seed = (seed_ref[0], seed_ref[1])
+        self.inv_keep = 1.0 / (1.0 - rate)
+
+    def _iota(self, start, n: int, axis_kept: int):
+        return start + plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=self.arch.layout(axis_kept))
+
+    def q_hash(self, start, n: int, axis_kept: int, q_len: int):
+        """Hashes of queries ``start .. start + n`` (clamped as the mods see them), in the layout
+        of a tile's rows (``axis_kept`` 0) or columns (1)."""
+        q = jnp.minimum(self._iota(start, n, axis_kept), q_len - 1)
+        return _dropout.row_hash(self.seed, self.b, self.h, q)
+
+    def kv_hash(self, start, n: int, axis_kept: int, kv_len: int):
+        kv = jnp.minimum(self._iota(start, n, axis_kept), kv_len - 1)
+        return _dropout.col_hash(self.seed, kv)
+
+    def keep(self, q_hash, kv_hash, shape, q_axis: int):
+        """The bool keep tile; queries along ``q_axis`` (0 in the forward and dQ, 1 in dK/dV)."""
+        rows = self.arch.broadcast(q_hash, shape, [q_axis])
+        cols = self.arch.broadcast(kv_hash, shape, [1 - q_axis])
+        return _dropout.keep_from_hashes(rows, cols, self.rate)
+
+
+def _seed(seed):
+    """The kernels' seed operand: (2,) int32 with the bits of the (2,) uint32 seed words."""
+    return (lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32).reshape(2), jnp.int32),)
+
+
 def _store(ref, accs, scale=None, factor=None):
     """Writes the chunks ``accs`` (times the per-row ``scale`` and the scalar ``factor``) into the
     (rows, D) shared-memory ``ref``; ``accs`` may be a generator (sm_100a: each chunk loaded from
@@ -153,13 +189,15 @@ def _cast_back(cm, vals, ids):
 # -- forward ---------------------------------------------------------------------------------
 
 def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, stages: int, interpret: bool,
-            block_kv: int, arch):
+            block_kv: int, arch, rate: float = 0.0, seed=None):
     """q (B, sq, Hq, D), k/v (B, skv, Hkv, D), 16-bit, padded (sq a multiple of ``cta_rows(arch)``, skv of
     ``block_kv``); ``arch``: ``_mma.Hopper()`` or ``_mma.Blackwell()``.
 
     ``rows`` / ``cols``: the hoisted values of both mods, (B', H', sq) / (B', H', skv), float32
-    or int32, score_mod's first. Returns out (B, sq, Hq, D) and each row's max and sum
-    (B, Hq, sq) float32 (``Residuals``' format: -inf and 0 on a row with no allowed key).
+    or int32, score_mod's first. ``rate`` > 0: dropout on P with the (2,) uint32 ``seed`` (the
+    row statistics stay those of all probabilities). Returns out (B, sq, Hq, D) and each row's
+    max and sum (B, Hq, sq) float32 (``Residuals``' format: -inf and 0 on a row with no allowed
+    key).
     """
     B, Hq, D, tk, R = g.B, g.Hq, q.shape[-1], block_kv, arch.rows
     dtype = q.dtype
@@ -173,6 +211,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, q_ref, kt_ref, v_ref = (next(it) for _ in range(7))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
+        seed_ref = next(it) if rate else None
         o_ref, m_ref, l_ref = next(it), next(it), next(it)
         (qo_smem, k_smem, v_smem, p_smem, stat_smem, row_smem, col_smem), bars, mma = next(it), next(it), next(it)
         nb = 1 + n_rows
@@ -229,6 +268,8 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
             # Per-row vectors stay vectors across the walk; the (64, tk) tiles made from them and
             # the index tiles are formed in each step (held across it, they cost 32 registers each).
             row_vecs = tuple(_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows))
+            drop = _Drop(arch, rate, seed_ref, b, h) if rate else None
+            q_hash = drop.q_hash(q0, R, 0, g.q_len) if drop else None
 
             def sched_barrier():
                 plgpu.barrier_arrive(sched)
@@ -273,6 +314,8 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     alpha = jnp.exp(m - m_use)
                     l = l * alpha + p.sum(axis=1)
                     acc = unit.scale(acc, "o", alpha)
+                    if drop is not None:
+                        p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
                     my_p[...] = p.astype(dtype)
                     plgpu.commit_smem()
                     plgpu.barrier_wait(v_bar.at[slot])
@@ -288,7 +331,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
             pl.when(wg == 0)(sched_barrier)
             alive = l > 0
             inv = jnp.where(alive, 1.0 / jnp.where(alive, l, 1.0), 0.0)
-            _store(my_q, unit.chunks(acc, "o"), inv)
+            _store(my_q, unit.chunks(acc, "o"), inv, factor=drop.inv_keep if drop else None)
             stat_smem[wg, 0] = jnp.where(alive, m, 0.0)
             stat_smem[wg, 1] = l
             plgpu.commit_smem()
@@ -327,7 +370,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         kernel_name="flexjax_mgpu_fwd",
         interpret=_interpret_params() if interpret else None,
     )
-    return call(kv_n, kv_i, fkv_n, fkv_i, q, k.transpose(0, 2, 3, 1), v, *rows, *cols)
+    return call(kv_n, kv_i, fkv_n, fkv_i, q, k.transpose(0, 2, 3, 1), v, *rows, *cols, *(_seed(seed) if rate else ()))
 
 
 
@@ -395,12 +438,14 @@ def _score_vjp(cm, s_raw, b, h, q_idx, kv_idx, rows, cols):
 
 
 def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked, rows, cols, n_srows, n_scols,
-                on_p=None):
-    """P and dS (of the raw scores) of one tile, and the score_mod's row / column tile gradients.
+                on_p=None, keep=None, inv_keep=1.0):
+    """P (the probabilities that multiply dO: P, or under dropout P * keep / (1 - rate)) and dS
+    (of the raw scores) of one tile, and the score_mod's row / column tile gradients.
 
     ``lse`` / ``delta`` are already broadcast to the tile; ``valid`` the padding test. ``dp``:
-    dO V^T's tile, or a function that computes it, called after ``on_p(p)`` (the dK/dV kernel
-    runs its P^T dO there, so S^T and dP^T are not live together).
+    dO V^T's tile, or a function that computes it, called after ``on_p(p)`` (so S^T and dP^T
+    need not be live together). ``keep``: dropout's keep tile (then dP = dO V^T * keep / (1 -
+    rate) and dS = P (dP - delta), with delta from the dropped output).
     """
     srows, mrows = rows[:n_srows], rows[n_srows:]
     scols, mcols = cols[:n_scols], cols[n_scols:]
@@ -416,17 +461,21 @@ def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked,
             ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx, _cast_back(mods.mask, mrows, mods.mask.rows),
                                 _cast_back(mods.mask, mcols, mods.mask.cols))
         p = jnp.where(ok, p, 0.0)
+    pv = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
     if on_p is not None:
-        on_p(p)
-    ds = p * ((dp() if callable(dp) else dp) - delta)
+        on_p(pv)
+    dp = dp() if callable(dp) else dp
+    if keep is not None:
+        dp = jnp.where(keep, dp * inv_keep, 0.0)
+    ds = p * (dp - delta)
     if vjp is None:
-        return p, ds, [None] * n_srows, [None] * n_scols
+        return pv, ds, [None] * n_srows, [None] * n_scols
     ds, d_rows, d_cols = vjp(ds)
-    return p, ds, d_rows, d_cols
+    return pv, ds, d_rows, d_cols
 
 
 def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, delta, lists_q, lists_kv, rows, cols,
-             *, stages: int, interpret: bool, arch):
+             *, stages: int, interpret: bool, arch, rate: float = 0.0, seed=None):
     """dQ, dK, dV (padded) and the score_mod's row / column gradients.
 
     ``gq``: the dQ kernel's geometry (``cta_rows(arch)`` query rows per CTA, ``gq.tk`` keys per step);
@@ -440,9 +489,9 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
     d_row_ids = [i for i in range(n_srows) if _is_float(rows[i])]
     d_col_ids = [i for i in range(n_scols) if _is_float(cols[i])]
     dq, *d_rows = _dq(gq, mods, scale, q, k, v, do, lse, delta, lists_q, rows, cols, d_row_ids, n_srows, n_scols,
-                      stages=stages, interpret=interpret, arch=arch)
+                      stages=stages, interpret=interpret, arch=arch, rate=rate, seed=seed)
     dk, dv, *d_cols = _dkv(gk, mods, scale, q, k, v, do, lse, delta, lists_kv, rows, cols, d_col_ids, n_srows,
-                           n_scols, stages=stages, interpret=interpret, arch=arch)
+                           n_scols, stages=stages, interpret=interpret, arch=arch, rate=rate, seed=seed)
     it_r, it_c = iter(d_rows), iter(d_cols)
     out_rows = tuple(next(it_r)[..., None] if i in d_row_ids else None for i in range(n_srows))
     out_cols = tuple(next(it_c)[..., None, :] if i in d_col_ids else None for i in range(n_scols))
@@ -456,7 +505,7 @@ def _call(kernel, out_type, scratch, grid, names, interpret, name, consumers=CON
 
 
 def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_ids, n_srows, n_scols, *,
-        stages, interpret, arch):
+        stages, interpret, arch, rate=0.0, seed=None):
     """dQ: per CTA two consumers of ``arch.rows`` query rows over the row's kv tiles; the producer
     streams K^T, V^T (for S and dP) and K (for dS K) through the ring."""
     B, Hq, D, tk, R = g.B, g.Hq, q.shape[-1], g.tk, arch.rows
@@ -469,6 +518,7 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
             next(it) for _ in range(11))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
+        seed_ref = next(it) if rate else None
         dq_ref = next(it)
         drow_refs = tuple(next(it) for _ in range(n_dr))
         (q_smem, do_smem, ds_smem, kt_smem, vt_smem, k_smem, vec_smem, row_smem, col_smem), bars, mma = (
@@ -529,6 +579,8 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
             shape = (R, tk)
             lse_v, delta_v = _load(arch, vec_smem.at[wg, 0], 0), _load(arch, vec_smem.at[wg, 1], 0)
             row_vecs = [_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows)]
+            drop = _Drop(arch, rate, seed_ref, b, h) if rate else None
+            q_hash = drop.q_hash(q0, R, 0, g.q_len) if drop else None
 
             def step(masked):
                 def body(t, carry):
@@ -553,8 +605,10 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                         plgpu.barrier_wait(col_bar.at[c * stages + slot])
                         col_vals.append(arch.broadcast(_load(arch, col_smem[c].at[slot], 1), shape, [1]))
                     valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
+                    keep = drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0) if drop else None
                     _, ds, d_rows, _ = _tile_probs(mods, s, lse_t, delta_t, dp, b, h, q_idx, kv_idx, valid, masked,
-                                                   row_vals, col_vals, n_srows, n_scols)
+                                                   row_vals, col_vals, n_srows, n_scols, keep=keep,
+                                                   inv_keep=drop.inv_keep if drop else 1.0)
                     my_ds[...] = ds.astype(dtype)
                     plgpu.commit_smem()
                     plgpu.barrier_wait(k_bar.at[slot])
@@ -603,11 +657,11 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
     call = _call(kernel, out_type, scratch, (Hq, g.sq // (R * CONSUMERS), B), ("h", "q", "b"), interpret,
                  "flexjax_mgpu_dq")
     kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 3, 1)
-    return call(*lists.by_q, q, kt, vt, k, do, lse, delta, *rows, *cols)
+    return call(*lists.by_q, q, kt, vt, k, do, lse, delta, *rows, *cols, *(_seed(seed) if rate else ()))
 
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
-         stages, interpret, arch):
+         stages, interpret, arch, rate=0.0, seed=None):
     """dK, dV: per CTA ``DKV_CONSUMERS`` consumers of ``arch.rows`` key rows over the query heads of the GQA group
     and each head's column of q tiles; the producer streams Q^T, dO^T (for S^T and dP^T), Q and
     dO (for dS^T Q and P^T dO), lse, delta and the hoisted rows through the ring."""
@@ -623,6 +677,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
             next(it) for _ in range(12))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
+        seed_ref = next(it) if rate else None
         dk_ref, dv_ref = next(it), next(it)
         dcol_refs = tuple(next(it) for _ in range(n_dc))
         (k_smem, v_smem, p_smem, ring, vec_ring, _, col_smem, dcol_smem), bars, mma = next(it), next(it), next(it)
@@ -692,6 +747,8 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                 dk, dv, t0 = carry
                 h = kvh * g.G + gi
                 walk = walk_of(h)
+                drop = _Drop(arch, rate, seed_ref, b, h) if rate else None
+                kv_hash = drop.kv_hash(k0, R, 0, g.kv_len) if drop else None
                 # Column values (per key) of this head: fixed over the head's walk.
                 col_vals = []
                 for c, ref in enumerate(col_refs):
@@ -721,8 +778,10 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         q_iota = qs + arch.iota(shape, 1)
                         q_idx = jnp.minimum(q_iota, g.q_len - 1)
                         valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
+                        keep = drop.keep(drop.q_hash(qs, tq, 1, g.q_len), kv_hash, shape, 1) if drop else None
                         pt, dst, _, d_cols = _tile_probs(mods, st, lse_t, delta_t, dpt, b, h, q_idx, kv_idx, valid,
-                                                         masked, row_vals, col_tiles, n_srows, n_scols)
+                                                         masked, row_vals, col_tiles, n_srows, n_scols, keep=keep,
+                                                         inv_keep=drop.inv_keep if drop else 1.0)
                         my_p[...] = pt.astype(dtype)
                         plgpu.commit_smem()
                         plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
@@ -785,7 +844,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
     call = _call(kernel, out_type, scratch, (g.skv // (R * W), Hkv, B), ("k", "h", "b"), interpret,
                  "flexjax_mgpu_dkv", consumers=W)
     qt, dot_ = q.transpose(0, 2, 3, 1), do.transpose(0, 2, 3, 1)
-    return call(q_n, q_i, fq_n, fq_i, qt, dot_, q, do, k, v, lse, delta, *rows, *cols)
+    return call(q_n, q_i, fq_n, fq_i, qt, dot_, q, do, k, v, lse, delta, *rows, *cols, *(_seed(seed) if rate else ()))
 
 
 def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2, rows: int = 64) -> dict[str, int]:
