@@ -127,7 +127,8 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             **{k: v for k, v in _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages,
                                                     rows=unit.rows).items() if k != "fwd"}}
     tmem = _kernels.tmem_columns(D, o.block_kv, o.bwd_block_kv, o.bwd_block_q) if arch == "sm_100a" else {}
-    row = {"case": name + ("+dropout" if dropout else ""), "head_dim": D, "dtype": dtype_name, "heads": heads, "arch": arch}
+    row = {"case": name + ("+dropout" if dropout else ""), "head_dim": D, "dtype": dtype_name, "heads": heads,
+           "arch": arch}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         try:
