@@ -3,23 +3,25 @@
 Every kernel is one CTA of warpgroups (``plgpu.kernel(num_threads=...)``): the last is the
 producer, which walks the CTA's row (or column) of the BlockMask's tile lists as scalars and
 issues TMA copies of the tiles the consumers need into a ring of ``stages`` shared-memory
-slots; the others are consumers, each owning 64 rows, running ``wgmma`` from shared memory
-with float32 accumulators in registers. A slot is refilled once every consumer has arrived on
-its "consumed" barrier. The forward and dQ have two consumers (64 query rows each, 128 per
-CTA); dK/dV one (64 key rows: see ``DKV_CONSUMERS``). In the forward the consumers take
-turns on the tensor cores (the ping-pong schedule of FlashAttention-3: a two-arrival barrier
-around each MMA), so one warpgroup's softmax overlaps the other's MMAs.
+slots; the others are consumers, each owning ``arch.rows`` rows (64 on sm_90a, 128 on sm_100a)
+and running its MMAs through a matrix unit (``_mma``: wgmma with accumulators in registers, or
+tcgen05 with accumulators in tensor memory) from shared-memory operands. A slot is refilled
+once every consumer has arrived on its "consumed" barrier. The forward and dQ have two
+consumers; dK/dV one (see ``DKV_CONSUMERS``). In the forward the consumers take turns on the
+tensor cores (the ping-pong schedule of FlashAttention-3: a two-arrival barrier around each
+MMA), so one warpgroup's softmax overlaps the other's MMAs.
 
-The mods run on (64, n) tiles in the WGMMA register layout: ``q_idx`` / ``kv_idx`` are
+The mods run on (rows, n) tiles in the arch's register layout: ``q_idx`` / ``kv_idx`` are
 iotas, hoisted row values (per query) and column values (per key) are copied into shared
 memory by TMA and broadcast. Partial tiles apply the mask_mod and the padding test, full
-tiles neither. The same kernels run in Mosaic GPU's interpreter on a CPU host
-(``InterpretGPUParams``), which simulates the shared memory, barriers, TMA and wgmma.
+tiles neither. Dropout regenerates ``_dropout``'s keep mask per tile (``_Drop``). The same
+kernels run in Mosaic GPU's interpreter on a CPU host (``InterpretGPUParams``), which
+simulates the shared memory, barriers, TMA and wgmma.
 
-What the interpreter runs shaped three things. It has no ``run_state`` (an MMA into a
-pre-filled accumulator), so every MMA writes a fresh accumulator (``run_scoped`` with
-``plgpu.ACC``) that the kernel adds to its running value in registers (``_mma_add``, in
-64-column chunks). It takes no register operand, so P and dS are stored to shared memory
+What the interpreter runs shaped three things. It has no ``run_state`` (an MMA into a live
+accumulator) and no tcgen05 or tensor memory, so there the matrix units take their
+interpreter forms (``_mma``: fresh accumulators added in registers; tensor memory as a
+shared-memory buffer). It takes no register operand, so P and dS are stored to shared memory
 before they multiply. It takes no transposed view of a shared-memory tile, so K^T, V^T, Q^T
 and dO^T are transposed in XLA before the kernels.
 """
@@ -810,7 +812,6 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                     plgpu.wait_smem_to_gmem(0)
                 return dk, dv, t0 + walk.n
 
-            # On sm_90a, 64-column chunks (32 registers per fresh accumulator); 32 spilled more there.
             dk, dv, _ = lax.fori_loop(0, g.G, head, (unit.zeros("dk"), unit.zeros("dv"), jnp.int32(0)))
             _store(my_k, unit.chunks(dk, "dk"), factor=scale)
             _store(my_v, unit.chunks(dv, "dv"))

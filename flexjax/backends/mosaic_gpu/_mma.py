@@ -11,8 +11,9 @@ architectures:
   ``dV``) that the caller threads through its loops as ``acc``.
 
 ``Hopper`` (sm_90a): 64 rows per warpgroup (wgmma's M), accumulators in registers as (64, 64)
-chunks; every MMA writes a fresh accumulator that is added in registers (Mosaic GPU's
-interpreter has no ``run_state``, so the kernels never MMA into a live one).
+chunks that each accumulating wgmma adds into in place (``pl.run_state``). ``Hopper(emulate=
+True)``, the interpreter's form (it has no ``run_state``): each MMA writes a fresh accumulator
+that is added in registers.
 
 ``Blackwell`` (sm_100a): 128 rows per warpgroup (tcgen05's M, one tensor-memory lane per
 thread); the accumulators live in tensor memory (TMEM), so they cost no registers: ``add`` is an
@@ -67,6 +68,9 @@ class _Arch:
 class Hopper(_Arch):
     name, rows, tile_layout = "sm_90a", 64, plgpu.Layout.WGMMA
 
+    def __init__(self, emulate: bool = False):
+        self.emulate = emulate
+
     def scratch(self, units: int, fresh: int, accs: dict[str, int]):
         return ()
 
@@ -77,6 +81,10 @@ class Hopper(_Arch):
 class _WgmmaUnit:
     def __init__(self, arch, accs):
         self.arch, self.accs = arch, accs
+        # On the GPU an accumulating wgmma adds into the live accumulator (``pl.run_state`` over
+        # ``plgpu.ACC.init``); the interpreter has no ``run_state``, so there it writes a fresh
+        # accumulator that is added in registers (32 more registers a thread while it lives).
+        self.in_place = not arch.emulate
 
     def fresh(self, a, b, after=None):
         def mma(acc_ref):
@@ -94,6 +102,14 @@ class _WgmmaUnit:
 
     def add(self, acc, name, a, b, after=None):
         """``acc[c] + a @ b[:, c * 64:(c + 1) * 64]`` for each chunk ``c``; ``after`` once the last is issued."""
+        if self.in_place:
+            def mma(refs):
+                for c, ref in enumerate(refs):
+                    plgpu.wgmma(ref, a, b.at[:, pl.ds(c * CHUNK, CHUNK)])
+                if after is not None:
+                    after()
+
+            return tuple(pl.run_state(mma)(tuple(plgpu.ACC.init(x) for x in acc)))
         out = []
         for c, x in enumerate(acc):
             last = after if c == len(acc) - 1 else None
@@ -213,5 +229,5 @@ class _Tcgen05Unit:
 
 
 def for_capability(cc: int, interpret: bool) -> _Arch:
-    """The matrix unit of compute capability ``cc`` (90 or 100); emulated in the interpreter."""
-    return Blackwell(emulate=interpret) if cc >= 100 else Hopper()
+    """The matrix unit of compute capability ``cc`` (90 or 100), in its interpreter form when ``interpret``."""
+    return Blackwell(emulate=interpret) if cc >= 100 else Hopper(emulate=interpret)
