@@ -127,7 +127,10 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
                                                     rows=unit.rows).items() if k != "fwd"}}
     tmem = _kernels.tmem_columns(D, o.block_kv, o.bwd_block_kv, o.bwd_block_q) if arch == "sm_100a" else {}
     row = {"case": name + ("+dropout" if dropout else ""), "head_dim": D, "dtype": dtype_name, "heads": heads,
-           "arch": arch}
+           "arch": arch,
+           # producer + consumers x rows, per kernel (forward, dQ, dK/dV)
+           "warpgroups": f"1+{_kernels.CONSUMERS}x{unit.rows}, 1+{_kernels.CONSUMERS}x{unit.rows}, "
+                         f"1+{_kernels.DKV_CONSUMERS}x{unit.rows}"}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         try:
@@ -226,9 +229,9 @@ def _each_arch(args) -> int:
                     "Registers: ptxas' count per thread (at most 168 for 384 threads, 255 for 256). Spill: bytes "
                     "stored per thread. Shared memory: the kernels' tiles (`_kernels.smem_bytes`). TMEM: "
                     "tensor-memory columns of the sm_100a kernels (`_kernels.tmem_columns`, of 512).\n\n")
-            f.write("| arch | case | D | dtype | heads | status | fwd regs / spill / smem KiB [/ TMEM cols] | dQ | "
-                    "dK/dV | s |\n")
-            f.write("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+            f.write("| arch | case | D | dtype | heads | warpgroups (fwd, dQ, dK/dV: producer + consumers x rows) | "
+                    "status | fwd regs / spill / smem KiB [/ TMEM cols] | dQ | dK/dV | s |\n")
+            f.write("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
             for r in rows:
                 cells = []
                 for k in ("fwd", "dq", "dkv"):
@@ -236,7 +239,8 @@ def _each_arch(args) -> int:
                     cell = f"{x.get('registers')} / {x.get('spill_stores', '-')} / {x['smem'] // 1024}"
                     cells.append(cell + (f" / {x['tmem']}" if "tmem" in x else ""))
                 status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
-                f.write(f"| {r['arch']} | {r['case']} | {r['head_dim']} | {r['dtype']} | {r['heads']} | {status} | "
+                f.write(f"| {r['arch']} | {r['case']} | {r['head_dim']} | {r['dtype']} | {r['heads']} | "
+                        f"{r['warpgroups']} | {status} | "
                         + " | ".join(cells) + f" | {r['seconds']} |\n")
     print(f"mosaic_gpu suite: {len(rows)} configurations, {failures} failing", flush=True)
     return 1 if failures else 0
