@@ -7,7 +7,8 @@ an H100 (``h100_target_config.txtpb``, sm_90a: the wgmma kernels) and a B200
 head dims 64 and 128, bfloat16 and float16, MHA and GQA, and two entries with dropout (the
 keep-mask hash in each kernel). Mosaic GPU writes each kernel's
 ``ptxas -v`` report (``MOSAIC_GPU_DUMP_PTXAS``); a kernel fails the suite if ptxas did not
-compile it for the configuration's arch, if it spills, if its registers exceed what the launch
+compile it for the configuration's arch or its PTX lacks the arch's tensor-core instructions
+(``EXPECTED_OPS``), if it spills, if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
 its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on both), or, on
 sm_100a, if its tensor memory exceeds 512 columns. The table (``--out``) lists each kernel's
@@ -92,7 +93,23 @@ def _compile(f, args, mesh, dump_dir):
     with jax.set_mesh(mesh):
         jax.jit(f).trace(*args).lower().compile()
     text = "".join(open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))))
-    return _parse_ptxas(text)
+    report = _parse_ptxas(text)
+    # Which tensor-core instructions each kernel's PTX holds (the dump names kernels "<name>_<n>.ptx").
+    for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
+        ptx = open(path).read()
+        kernel = os.path.basename(path).rsplit("_", 1)[0]
+        found = {op for op in PTX_OPS if op in ptx}
+        for name, res in report.items():
+            if name.startswith(kernel):
+                res["ptx_ops"] = sorted(found)
+    return report
+
+
+# The tensor-core instructions that say which kernel ptxas got: sm_90a's are wgmma's; sm_100a's
+# allocate tensor memory, issue tcgen05.mma, commit it to a barrier, load (and wait for) its results.
+PTX_OPS = ("wgmma.mma_async", "tcgen05.alloc", "tcgen05.mma", "tcgen05.commit", "tcgen05.ld", "tcgen05.wait::ld",
+           "tcgen05.dealloc")
+EXPECTED_OPS = {"sm_90a": {"wgmma.mma_async"}, "sm_100a": set(PTX_OPS) - {"wgmma.mma_async"}}
 
 
 def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
@@ -153,6 +170,9 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             continue
         if res["arch"] != arch:
             problems.append(f"{short}: compiled for {res['arch']}, not {arch}")
+        if set(res.get("ptx_ops", ())) != EXPECTED_OPS[arch]:
+            problems.append(f"{short}: PTX tensor-core instructions {res.get('ptx_ops')}, not "
+                            f"{sorted(EXPECTED_OPS[arch])}")
         budget = SPILL_BUDGET.get((arch, short, D), 0)
         if max(res["spill_stores"], res["spill_loads"]) > budget:
             problems.append(f"{short}: spills {res['spill_stores']} B (budget {budget} B)")
