@@ -43,10 +43,11 @@ from .._layout import Geom, Mods
 # Two consumer warpgroups per CTA in the forward and dQ, each owning ``arch.rows`` rows (64 on
 # sm_90a, wgmma's M; 128 on sm_100a, tcgen05's): the CTA's rows are ``cta_rows(arch)``.
 CONSUMERS = 2
-# The dK/dV kernel: one consumer warpgroup (64 key rows) and the producer. Its dK and dV
-# accumulators (2 x 64 x D float32) with the S^T and dP^T tiles need more registers than a
-# thread of a three-warpgroup CTA gets (ptxas caps those at 168: at D = 128 the two-consumer
-# form spilled 424 B per thread on sm_90a); two warpgroups leave each thread 255.
+# The dK/dV kernel: one consumer warpgroup (64 key rows on sm_90a, 128 on sm_100a) and the
+# producer. On sm_90a its dK and dV accumulators (2 x 64 x D float32, in registers) with the S^T
+# and dP^T tiles need more registers than a thread of a three-warpgroup CTA gets (ptxas caps
+# those at 168: at D = 128 the two-consumer form spilled 424 B per thread); two warpgroups leave
+# each thread 255.
 DKV_CONSUMERS = 1
 
 
@@ -115,6 +116,24 @@ class _Lists:
         entry = jnp.where(full, self.fidx_ref[self.bm, self.hm, self.row, ef],
                           self.idx_ref[self.bm, self.hm, self.row, ep])
         return entry * self.sub + _rem(u, self.sub)
+
+
+def _refill(t, stages: int, free, src, dst, bar):
+    """Step ``t`` of a producer: copies ``src`` into ring slot ``t % stages`` of ``dst`` (arriving on
+    that slot of ``bar``) once the consumers have released the slot (``free``; every lap but the first)."""
+    slot = _rem(t, stages)
+
+    @pl.when(t >= stages)
+    def _():
+        plgpu.barrier_wait(free.at[slot])
+
+    plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+
+def _copy_cols(col_refs, col_smem, col_bar, slot, stages: int, start, n: int):
+    """Copies keys ``start .. start + n`` of each hoisted column vector into its ring slot."""
+    for c, ref in enumerate(col_refs):
+        plgpu.copy_gmem_to_smem(ref.at[pl.ds(start, n)], col_smem[c].at[slot], col_bar.at[c * stages + slot])
 
 
 def _drain(n, stages: int, *frees):
@@ -234,24 +253,11 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
             @pl.loop(0, walk.n)
             def _(t):
-                slot = _rem(t, stages)
                 ks = walk.tile(t) * tk
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(kt_ref.at[b, kvh, :, pl.ds(ks, tk)], k_smem.at[slot], k_bar.at[slot])
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(ks, tk), kvh], v_smem.at[slot], v_bar.at[slot])
+                _refill(t, stages, k_free, kt_ref.at[b, kvh, :, pl.ds(ks, tk)], k_smem, k_bar)
+                _refill(t, stages, v_free, v_ref.at[b, pl.ds(ks, tk), kvh], v_smem, v_bar)
                 # Column values are read before the consumers release V's slot.
-                for c, ref in enumerate(col_refs):
-                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot],
-                                            col_bar.at[c * stages + slot])
+                _copy_cols([rb(ref) for ref in col_refs], col_smem, col_bar, _rem(t, stages), stages, ks, tk)
 
             _drain(walk.n, stages, k_free, v_free)
 
@@ -267,8 +273,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
             shape = (R, tk)
-            # Per-row vectors stay vectors across the walk; the (64, tk) tiles made from them and
-            # the index tiles are formed in each step (held across it, they cost 32 registers each).
+            # Per-row vectors stay vectors across the walk; the (rows, tk) tiles made from them and
+            # the index tiles are formed in each step (held across it, each costs tk / 2 registers a
+            # thread on sm_90a, tk on sm_100a).
             row_vecs = tuple(_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows))
             drop = _Drop(arch, rate, seed_ref, b, h) if rate else None
             q_hash = drop.q_hash(q0, R, 0, g.q_len) if drop else None
@@ -542,24 +549,12 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
 
             @pl.loop(0, walk.n)
             def _(t):
-                slot = _rem(t, stages)
                 ks = walk.tile(t) * tk
-                for src, dst, bar, free in ((kt_ref, kt_smem, kt_bar, kt_free), (vt_ref, vt_smem, vt_bar, vt_free)):
-                    @pl.when(t >= stages)
-                    def _(free=free):
-                        plgpu.barrier_wait(free.at[slot])
-
-                    plgpu.copy_gmem_to_smem(src.at[b, kvh, :, pl.ds(ks, tk)], dst.at[slot], bar.at[slot])
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(ks, tk), kvh], k_smem.at[slot], k_bar.at[slot])
+                _refill(t, stages, kt_free, kt_ref.at[b, kvh, :, pl.ds(ks, tk)], kt_smem, kt_bar)
+                _refill(t, stages, vt_free, vt_ref.at[b, kvh, :, pl.ds(ks, tk)], vt_smem, vt_bar)
+                _refill(t, stages, k_free, k_ref.at[b, pl.ds(ks, tk), kvh], k_smem, k_bar)
                 # Column values are read before the consumers release K's slot (the step's last).
-                for c, ref in enumerate(col_refs):
-                    plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(ks, tk)], col_smem[c].at[slot],
-                                            col_bar.at[c * stages + slot])
+                _copy_cols([rb(ref) for ref in col_refs], col_smem, col_bar, _rem(t, stages), stages, ks, tk)
 
             _drain(walk.n, stages, kt_free, vt_free, k_free)
 
