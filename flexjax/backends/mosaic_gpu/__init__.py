@@ -1,20 +1,25 @@
 """The mosaic_gpu backend: warp-specialized block-sparse kernels in Pallas' Mosaic GPU dialect.
 
-For NVIDIA GPUs of compute capability 9.0 (Hopper; ``wgmma`` from shared memory, TMA
-copies, mbarriers); on a CPU host the same kernels run in Mosaic GPU's interpreter, and
-``kernel_options={"target": "cuda"}`` lowers them for the GPU whatever the host. The
-kernels are ``_kernels``; what surrounds them (options, padding, residuals, the gradients
-of captured arrays) is the kernel backends' shared front end.
+For NVIDIA GPUs of compute capability 9.0 (Hopper: ``wgmma`` from shared memory, accumulators
+in registers) and 10.0 (Blackwell: ``tcgen05`` MMAs, accumulators in tensor memory), with TMA
+copies and mbarriers on both; one kernel code, with the matrix unit picked by the compute
+capability (``_mma``). On a CPU host the same kernels run in Mosaic GPU's interpreter (sm_100a's
+with tcgen05 and tensor memory emulated), and ``kernel_options={"target": "cuda"}`` lowers them
+for the GPU whatever the host. The kernels are ``_kernels``; what surrounds them (options,
+padding, residuals, the gradients of captured arrays) is the kernel backends' shared front end.
 
 What it takes, and what it refuses with a reason that ``backend=None`` falls past:
-- 16-bit inputs (float16, bfloat16): wgmma reads 16-bit tiles; float32 is refused;
+- 16-bit inputs (float16, bfloat16): the MMAs read 16-bit tiles; float32 is refused;
 - head dims that are multiples of 64 and the value head dim equal to it, where the three kernels'
-  shared memory fits an sm_90 block (``_kernels.smem_bytes``): 64 and 128 (at 192 and 256 the
-  backward's double-buffered Q, dO, Q^T and dO^T tiles do not);
+  shared memory fits a block (``_kernels.smem_bytes``) and, on sm_100a, their accumulators an
+  SM's tensor memory (``_kernels.tmem_columns``): 64 and 128 (at 192 and 256 the backward's
+  double-buffered Q, dO, Q^T and dO^T tiles do not fit);
 - mods that read captured arrays only through hoisted rows and columns (indexed by b, h
   and q_idx, or b, h and kv_idx) and scalars; a read indexed by both q_idx and kv_idx
   (a relative-position table) is a gather, which the kernels do not do;
-- dropout: the keep mask is ``_dropout``'s hash, regenerated per tile in the forward, dQ and dK/dV.
+- compute capabilities 9.0 and 10.0 only;
+- dropout is taken: the keep mask is ``_dropout``'s hash, regenerated per tile in the forward,
+  dQ and dK/dV.
 """
 
 from __future__ import annotations
