@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-compile bench lint docs clean wheel gpu-check-rehearsal example
+.PHONY: demo test test-extra test-all test-compile bench lint docs clean wheel gpu-check-rehearsal example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 # worksteal: a worker that runs out of tests takes queued ones from the other (a shorter tail).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal
+
+# Tests kept out of make test's 5-minute budget that CI still runs (marked ci_extra).
+test-extra: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist worksteal -m ci_extra
 
 test-all: $(STAMP)
 	FLEXJAX_HYPOTHESIS=all $(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'
