@@ -21,6 +21,7 @@ os.environ.setdefault("NPROC", "16")
 
 import importlib.util  # noqa: E402
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # The triton-marked tests (make test-compile's venv has Triton, jax-triton and torch):
@@ -42,3 +43,29 @@ if importlib.util.find_spec("jax_triton") is not None:
 settings.register_profile("default", max_examples=6)
 settings.register_profile("all", max_examples=50)
 settings.load_profile(os.environ.get("FLEXJAX_HYPOTHESIS", "default"))
+
+
+# make test's 5-minute budget: these default tests run in CI through `make test-extra` instead
+# (the ci_extra marker; other tests carry it where they are defined). Each has cheaper siblings
+# in make test: other cases of the same test, or the same feature's other tests.
+CI_EXTRA = frozenset({
+    "tests/test_decode.py::test_decode_block_mask_matches_offset_mask[1]",
+    "tests/test_decode.py::test_decode_path_matches_reference[3]",
+    "tests/test_paged.py::test_sinks_and_aux_lse[xla]",
+    "tests/test_ragged.py::test_write_and_attend_equals_write_then_attend[xla]",
+    "tests/test_cpu_kernel.py::test_backward_kernel_runs_unless_captured_arrays_need_gradients",
+    "tests/test_flax.py::test_flex_layer_paged_cache_shares_its_pool_and_raises_past_it",
+    "tests/test_flax.py::test_flex_layer_under_remat",
+    "tests/test_dropout_kernels.py::test_residuals",
+    "tests/test_drop_in.py::test_matches_jax_nn_on_xla[everything]",
+    "tests/test_api.py::test_check_grads_with_captured_table[xla]",
+    "tests/test_block_mask_analysis.py::test_compact_lists_and_max_blocks_per_row",
+    "tests/test_jit_sharding.py::test_jit_and_grad_match_one_device[explicit-batch_heads-relative_bias]",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in CI_EXTRA:
+            item.add_marker(pytest.mark.ci_extra)
