@@ -25,7 +25,7 @@ accumulator's ``D`` columns.
 
 ``Blackwell(emulate=True)``: the same kernels in Mosaic GPU's interpreter, which has no tcgen05
 or TMEM: TMEM is a float32 shared-memory buffer and each MMA a (128-row) wgmma whose result is
-stored or added there. Everything but the four tcgen05 / TMEM primitives runs as on the GPU.
+stored or added there. Everything but the tcgen05 and TMEM operations runs as on the GPU.
 """
 
 from __future__ import annotations
