@@ -256,6 +256,28 @@ def test_backend_none_picks_mosaic_gpu_on_blackwell(monkeypatch):
     assert len(built) >= 3 and not any(built)  # forward, dQ and dK/dV on tcgen05, none emulated
 
 
+@pytest.mark.parametrize("cc", [90, 100])
+def test_dropout_lowers_for_cuda(cc):
+    """Forward and backward with dropout lower for each arch (make test; the kernels run against
+    the dense truth in test_dropout, make test-compile)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    S = 256
+    bm = flexjax.create_block_mask(masks.causal, None, None, S, S)
+
+    def loss(q, k, v, key):
+        out = flexjax.flex_attention(q, k, v, block_mask=bm, backend="mosaic_gpu", dropout_rate=0.1, dropout_rng=key,
+                                     kernel_options={"target": "cuda", "compute_capability": cc})
+        return out.astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA GPU", 1, "cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q, jax.random.PRNGKey(0)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 3
+
+
 def test_backend_none_falls_past_mosaic_gpu_for_a_gather(monkeypatch):
     from flexjax import _api
 
