@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_compile"))
 
-from ptx_shape import hopper_exempt, hopper_shape, instruction_mix  # noqa: E402
+from ptx_shape import hopper_exempt, hopper_shape, instruction_mix, tensor_core_ops  # noqa: E402
 
 
 def _loop(label: str, body: str) -> str:
@@ -75,3 +75,19 @@ def test_the_one_exemption():
     assert not hopper_exempt({"head_dim": 256, **scatter}, "fwd")
     assert not hopper_exempt({"head_dim": 128, **scatter}, "dq")
     assert not hopper_exempt({"head_dim": 256, "kernels": {"dq": {"scatter": False}}}, "dq")
+
+
+def test_tensor_core_ops_reads_instructions_not_names():
+    ptx = """
+    // tcgen05.mma in a comment is not an instruction
+    .visible .entry k_tcgen05_mma_kernel(
+    tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r1], 512;
+    @%p3 tcgen05.mma.cta_group::1.kind::f16 [%r2], %rd1, %rd2, %r3, %p1;
+    @%p3 tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%rd4];
+    tcgen05.ld.sync.aligned.16x256b.x4.b32 {%r5, %r6}, [%r7];
+    tcgen05.wait::ld.sync.aligned;
+    """
+    assert tensor_core_ops(ptx) == {"tcgen05.alloc", "tcgen05.mma", "tcgen05.commit", "tcgen05.ld",
+                                    "tcgen05.wait::ld"}
+    wgmma = "\t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, p;}"
+    assert tensor_core_ops(wgmma) == {"wgmma.mma_async"}

@@ -159,6 +159,7 @@ def _first_error_line(e: BaseException) -> str:
 
 
 def worker(cfgs, dump_dir, results_path, overrides, keep_dump=None):
+    import catalog_target
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -218,17 +219,9 @@ def worker(cfgs, dump_dir, results_path, overrides, keep_dump=None):
                     options = {"target": cfg.target, **overrides}
                     return attention(q, k, v, params, backend="pallas", kernel_options=options, **drop)
 
-                def flexjax_case(q, k, v, params):
-                    def loss(q, k, v, params):
-                        out, lse = flexjax_case_fwd(q, k, v, params)
-                        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
-
-                    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
-
-                args = (jax.ShapeDtypeStruct((B, S, Hq, D), dtype, sharding=sh),
-                        jax.ShapeDtypeStruct((B, S, Hkv, D), dtype, sharding=sh),
-                        jax.ShapeDtypeStruct((B, S, Hkv, D), dtype, sharding=sh),
-                        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params))
+                # XLA's dump is filtered by the module's name (--xla_dump_hlo_module_re below).
+                flexjax_case = catalog_target.grads(flexjax_case_fwd, name="flexjax_case")
+                args = catalog_target.abstract_args(B, S, Hq, Hkv, D, dtype, sh, params)
 
                 def compile_(f):
                     with jax.set_mesh(mesh):

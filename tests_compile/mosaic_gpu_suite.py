@@ -38,6 +38,9 @@ ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_ENAB
 os.environ.update(ENV)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from ptx_shape import TENSOR_CORE_OPS, tensor_core_ops  # noqa: E402
 
 # (B, S, Hq, Hkv)
 HEADS = {"mha": (1, 1024, 2, 2), "gqa": (1, 1024, 4, 2)}
@@ -98,22 +101,20 @@ def _compile(f, args, mesh, dump_dir):
     for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
         ptx = open(path).read()
         kernel = os.path.basename(path).rsplit("_", 1)[0]
-        found = {op for op in PTX_OPS if op in ptx}
+        found = tensor_core_ops(ptx)
         for name, res in report.items():
             if name.startswith(kernel):
                 res["ptx_ops"] = sorted(found)
     return report
 
 
-# The tensor-core instructions that say which kernel ptxas got: sm_90a's are wgmma's; sm_100a's
-# allocate tensor memory, issue tcgen05.mma, commit it to a barrier, load (and wait for) its results.
-PTX_OPS = ("wgmma.mma_async", "tcgen05.alloc", "tcgen05.mma", "tcgen05.commit", "tcgen05.ld", "tcgen05.wait::ld",
-           "tcgen05.dealloc")
-EXPECTED_OPS = {"sm_90a": {"wgmma.mma_async"}, "sm_100a": set(PTX_OPS) - {"wgmma.mma_async"}}
+# The tensor-core instructions (``ptx_shape.TENSOR_CORE_OPS``) that say which kernel ptxas got.
+EXPECTED_OPS = {"sm_90a": {"wgmma.mma_async"}, "sm_100a": set(TENSOR_CORE_OPS) - {"wgmma.mma_async"}}
 
 
 def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
     """Compiles one configuration's forward and backward; its table row."""
+    import catalog_target
     import jax
     import jax.numpy as jnp
     from catalog import BY_NAME, build
@@ -124,19 +125,10 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
     dtype = jnp.dtype(dtype_name)
     _, params, attention = build(BY_NAME[name], (B, S, S, Hq, Hkv, D, D), block_size=BLOCK_SIZE)
 
-    def grads(q, k, v, params):
-        def loss(q, k, v, params):
-            drop = {"dropout_rate": 0.1, "dropout_rng": jax.random.PRNGKey(0)} if dropout else {}
-            out, lse = attention(q, k, v, params, backend="mosaic_gpu",
-                                 kernel_options={"target": "cuda", "compute_capability": cc}, **drop)
-            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
-
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, params)
-
-    shapes = (jax.ShapeDtypeStruct((B, S, Hq, D), dtype, sharding=sh),
-              jax.ShapeDtypeStruct((B, S, Hkv, D), dtype, sharding=sh),
-              jax.ShapeDtypeStruct((B, S, Hkv, D), dtype, sharding=sh),
-              jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params))
+    drop = {"dropout_rate": 0.1, "dropout_rng": jax.random.PRNGKey(0)} if dropout else {}
+    grads = catalog_target.grads(lambda q, k, v, params: attention(
+        q, k, v, params, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": cc}, **drop))
+    shapes = catalog_target.abstract_args(B, S, Hq, Hkv, D, dtype, sh, params)
     o = heuristics(D, (BLOCK_SIZE, BLOCK_SIZE), cc)
     unit = _mma.for_capability(cc, False)
     smem = {**_kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, rows=unit.rows),

@@ -18,6 +18,22 @@ _BULK_WAIT = re.compile(r"^\s*cp\.async\.bulk\.wait_group(?:\.read)?\s+(\d+)", r
 _TMA = re.compile(r"^\s*cp\.async\.bulk\.tensor", re.M)
 
 
+# Tensor-core instructions by name, for telling which arch's kernel a PTX holds: sm_90a's wgmma;
+# sm_100a's tcgen05 (tensor memory allocated, MMAs issued and committed to a barrier, results
+# loaded and waited for, the memory freed).
+TENSOR_CORE_OPS = ("wgmma.mma_async", "tcgen05.alloc", "tcgen05.mma", "tcgen05.commit", "tcgen05.ld",
+                   "tcgen05.wait::ld", "tcgen05.dealloc")
+# An instruction starts a line or follows a ";" or "{" (inline asm puts wgmma after a predicate
+# set-up in braces), after an optional guard predicate.
+_TENSOR_CORE = re.compile(r"(?:^|[;{])\s*(?:@!?%?\w+\s+)?(" + "|".join(re.escape(op) for op in TENSOR_CORE_OPS)
+                          + r")[.\s;]", re.M)
+
+
+def tensor_core_ops(ptx: str) -> set[str]:
+    """The ``TENSOR_CORE_OPS`` that a PTX's instructions (not its comments or names) use."""
+    return set(_TENSOR_CORE.findall(ptx))
+
+
 _LABEL = re.compile(r"^(\$L__\w+):", re.M)
 _BRANCH = re.compile(r"^\s*(?:@%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);", re.M)
 
