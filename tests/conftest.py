@@ -45,10 +45,21 @@ settings.register_profile("all", max_examples=50)
 settings.load_profile(os.environ.get("FLEXJAX_HYPOTHESIS", "default"))
 
 
-# make test's 5-minute budget: these default tests run in CI through `make test-extra` instead
-# (the ci_extra marker; other tests carry it where they are defined). Each has cheaper siblings
-# in make test: other cases of the same test, or the same feature's other tests.
+# make test's 5-minute budget: these default tests (3-9 s each) run in CI through `make test-extra`
+# instead (the ci_extra marker, given here only). Each has cheaper siblings in make test: other
+# cases of the same test, or the same feature's other tests.
 CI_EXTRA = frozenset({
+    "tests/test_cli_demo.py::test_demo_small",
+    "tests/test_flax.py::test_nnx_outputs_and_grads_match_flax",
+    "tests/test_block_mask_analysis.py::test_analysis_matches_enumeration",
+    "tests/test_training_features.py::test_sinks_forward_and_grads[xla-one_sink]",
+    "tests/test_decode.py::test_pallas_packs_gqa_rows_of_mods_that_read_h[1]",
+    "tests/test_captured_scalars.py::test_random_score_mods_compile_or_refuse",
+    "tests/test_captured_scalars.py::test_random_mask_mods_compile_or_refuse",
+    "tests/test_cpu_kernel.py::test_backward_prepares_q_do_and_delta_both_ways[per_tile]",
+    "tests/test_cpu_kernel.py::test_decode_tiles_without_mods_pack_their_scores[bfloat16]",
+    "tests/test_kernel_cache.py::test_failed_rebuild_runs_the_loops[kernel]",
+    "tests/test_ragged.py::test_ragged_gradients[xla]",
     "tests/test_decode.py::test_decode_block_mask_matches_offset_mask[1]",
     "tests/test_decode.py::test_decode_path_matches_reference[3]",
     "tests/test_paged.py::test_sinks_and_aux_lse[xla]",

@@ -117,7 +117,6 @@ PATHS = {"one_call": {}, "blocks": {"_SMALL_GRID": 0},
 
 # Two examples in the default suite (each builds and enumerates several masks); the
 # `all` profile of `make test-all` keeps its 50.
-@pytest.mark.ci_extra  # make test's budget: in CI through make test-extra
 @settings(deadline=None, max_examples=50 if os.environ.get("FLEXJAX_HYPOTHESIS") == "all" else 2)
 @given(data=st.data(), S=st.sampled_from([96, 200]), bs=st.sampled_from([16, (16, 32)]),
        path=st.sampled_from(sorted(PATHS)))

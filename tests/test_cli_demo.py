@@ -12,8 +12,6 @@ def _run(*args, timeout=120):
                           timeout=timeout, env={**os.environ, "MPLBACKEND": "Agg"})
 
 
-# make test's budget: in CI through make test-extra (the demo's pieces are make test's own tests).
-@pytest.mark.ci_extra
 def test_demo_small():
     r = _run("demo", "--small")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -235,8 +235,7 @@ def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
 
 
 # prepass in make test-all (make test's budget): "auto", which most backward tests take, is the prepass.
-@pytest.mark.parametrize("prep", [pytest.param("prepass", marks=pytest.mark.slow),
-                                  pytest.param("per_tile", marks=pytest.mark.ci_extra)])  # CI: make test-extra
+@pytest.mark.parametrize("prep", [pytest.param("prepass", marks=pytest.mark.slow), "per_tile"])
 def test_backward_prepares_q_do_and_delta_both_ways(prep, monkeypatch):
     """The backward's transposed q and dO and its delta come from a prepass (many visits per q
     tile) or from each visit (narrow bands, where the lists visit a q tile at most 4 times on
@@ -352,8 +351,7 @@ def test_parallel_runs_leave_thread_affinity_as_it_was():
 
 
 # float32 in make test-all (make test's budget): bfloat16 takes the same packing and widens its rows.
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow),
-                                   pytest.param(jnp.bfloat16, marks=pytest.mark.ci_extra)])  # CI: make test-extra
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
 def test_decode_tiles_without_mods_pack_their_scores(dtype):
     """No score_mod: full decode tiles keep only their rows' scores, 16 / w columns to a vector
     (w: the tile's rows rounded up to a power of two; GQA groups of 1, 2, 3, 4 and 8 rows),

@@ -225,8 +225,7 @@ def test_pallas_packs_gqa_rows(monkeypatch):
     assert packed == [True]
 
 
-# make test's budget: sq=1 in CI through make test-extra.
-@pytest.mark.parametrize("sq", [pytest.param(1, marks=pytest.mark.ci_extra), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sq", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_pallas_packs_gqa_rows_of_mods_that_read_h(sq, monkeypatch):
     """Mods that read h pack a GQA group's heads into one tile too (GPU template, interpret
     mode here), each row getting its own head: ALiBi from a captured float table (hoisted

@@ -32,7 +32,6 @@ def _nnx_pair(**kw):
     return mods
 
 
-@pytest.mark.ci_extra  # make test's budget: in CI through make test-extra
 def test_nnx_outputs_and_grads_match_flax():
     ref, ours = _nnx_pair()
     x = _x()

@@ -104,7 +104,7 @@ BACKENDS = [pytest.param({"backend": "xla"}, id="xla"), pytest.param(PALLAS, id=
 # -- sinks -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend_kw, n_sinks", [
-    pytest.param({"backend": "xla"}, None, id="xla-one_sink", marks=pytest.mark.ci_extra),  # CI: make test-extra
+    pytest.param({"backend": "xla"}, None, id="xla-one_sink"),
     pytest.param(PALLAS, 2, id="pallas-two_sinks", marks=pytest.mark.slow),
     pytest.param({"backend": "xla"}, 2, id="xla-two_sinks", marks=pytest.mark.slow),
     pytest.param(PALLAS, None, id="pallas-one_sink", marks=pytest.mark.slow),
