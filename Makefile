@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra test-all test-compile bench lint docs clean wheel gpu-check-rehearsal example
+.PHONY: demo test test-extra test-all test-bare test-py312 test-compile bench lint docs clean wheel gpu-check-rehearsal example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,31 @@ test: $(STAMP)
 # Tests kept out of make test's 5-minute budget that CI still runs (marked ci_extra).
 test-extra: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m ci_extra
+
+# A bare `pip install .` (JAX and NumPy, no extras) into a fresh venv, then tests/bare_install.py --bare:
+# README's examples, the paged, ragged, quantized and kernel_options calls against the reference, and
+# the GPU backends refusing with the extra to install. Run outside the tree, so the installed copy is
+# what imports. About 2 minutes on 2 cores.
+BVENV := build/venv-bare
+test-bare:
+	rm -rf $(BVENV)
+	$(PYTHON) -m venv $(BVENV)
+	$(BVENV)/bin/python -m pip install -q .
+	cd $(BVENV) && bin/python $(CURDIR)/tests/bare_install.py --bare
+
+# make test on Python 3.12 with the newest JAX that pip gives it (JAX >= 0.11 needs Python >= 3.12), in a
+# fresh venv: the leg that meets JAX's next change first. JAX_SPEC=jax==0.11.2 pins the GPU machine's
+# release instead. Skipped, and said so, where this host has no Python 3.12.
+P12VENV := build/venv-py312
+JAX_SPEC ?= jax
+PY312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p || echo $$p; } && break; done)
+test-py312:
+	@if test -z "$(PY312)"; then echo "test-py312: no Python 3.12 on this host; skipped"; exit 0; fi; \
+	set -e; rm -rf $(P12VENV); $(PY312) -m venv $(P12VENV); \
+	$(P12VENV)/bin/python -m pip install -q --upgrade "$(JAX_SPEC)" -e '.[test]'; \
+	$(P12VENV)/bin/python -c 'import jax, sys; print("test-py312: Python", sys.version.split()[0], "JAX", jax.__version__)'; \
+	$(P12VENV)/bin/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider
 
 test-all: $(STAMP)
 	FLEXJAX_HYPOTHESIS=all $(PY) -m pytest -q -n 2 -m 'not gpu and not tpu'

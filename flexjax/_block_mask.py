@@ -39,7 +39,7 @@ from ._block_mask_type import (  # noqa: F401 (the type's names, re-exported, pr
     noop_mask,
     select_rows,
 )
-from ._factory import named
+from ._factory import eager_outside_abstract_mesh, named
 from ._trace import StaticMod, mod_name, trace_mod
 from .backends._contract import TileLists
 
@@ -492,6 +492,7 @@ def block_mask_over_read_axes(mask_mod: Callable | None, B: int, H: int, Q_LEN: 
     return _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, True, None, only_read_axes=True)
 
 
+@eager_outside_abstract_mesh
 def _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, analyse, max_blocks_per_row, *, only_read_axes: bool):
     B_arg, H_arg = B, H  # None = broadcast (the sizes below are 1 there)
     B = _check_dim("B", B, allow_none=True)
@@ -514,6 +515,7 @@ def _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, analyse, max_blocks_per_r
                                      max_blocks_per_row))
 
 
+@eager_outside_abstract_mesh
 def create_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int) -> jax.Array:
     """The dense boolean mask ``(B, H, Q_LEN, KV_LEN)`` of ``mask_mod`` (for small sizes)."""
     B = _check_dim("B", B, allow_none=True)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factory import entry, int_array
+from ._factory import eager_outside_abstract_mesh, entry, int_array
 from ._trace import StaticMod, trace_mod
 from .backends._contract import TileLists
 
@@ -589,6 +589,7 @@ def check_broadcast(mask: StaticMod | None, B, H, *, data_shape: tuple[int, int]
                 f"with create_block_mask(..., {name}={wanted})")
 
 
+@eager_outside_abstract_mesh
 def full_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, *, block_size=(128, 128)) -> BlockMask:
     """The BlockMask of full attention, without evaluating any mask_mod."""
     bq, bkv = _check_block_size(block_size)

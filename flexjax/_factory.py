@@ -36,6 +36,32 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.reshard(x, NamedSharding(sharding.mesh, P()))
 
 
+def eager_outside_abstract_mesh(fn: Callable) -> Callable:
+    """``fn``, run outside an abstract-only mesh when called eagerly (not under a trace).
+
+    Lowering for a GPU or TPU from a CPU host happens inside ``use_abstract_mesh(AbstractMesh(...,
+    abstract_device=...))``, with no devices behind it. JAX >= 0.11 gives an AbstractMesh Explicit axes
+    by default, and then every eager op inside that context fails; the BlockMask builders compute
+    eagerly on the host's own devices, so there they step out of it. Under a trace, or where a
+    concrete mesh is set (``jax.set_mesh``), ``fn`` runs where it was called.
+    """
+
+    @functools.wraps(fn)
+    def outside(*args, **kwargs):
+        from jax._src import core as jax_core
+        from jax._src import mesh as mesh_lib
+
+        empty = getattr(mesh_lib, "empty_abstract_mesh", None)
+        concrete = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
+        if (empty is None or jax.sharding.get_abstract_mesh().empty or not jax_core.trace_state_clean()
+                or (concrete is not None and not concrete.empty)):
+            return fn(*args, **kwargs)
+        with jax.sharding.use_abstract_mesh(empty):
+            return fn(*args, **kwargs)
+
+    return outside
+
+
 def is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 

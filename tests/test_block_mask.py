@@ -186,3 +186,26 @@ def test_block_mask_over_read_axes_keeps_only_the_axes_the_mod_reads():
     for a, b in zip(bm.tile_lists(), ref.tile_lists()):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert block_mask_over_read_axes(flexjax.masks.causal, 2, 8, 128, 128).tile_lists().kv_num.shape[:2] == (1, 1)
+
+
+def test_builders_run_eagerly_inside_an_abstract_mesh():
+    """Lowering for a GPU or TPU from a CPU host happens inside use_abstract_mesh, whose axes are Explicit by
+    default from JAX 0.11 (where eager ops fail): the BlockMask builders step out of it and give what they
+    give outside it."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
+                        abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu"))
+    lengths = jnp.array([100, 37])
+
+    def build():
+        return (flexjax.create_block_mask(flexjax.masks.sliding_window(40), None, None, 256, 256, block_size=64),
+                flexjax.create_block_mask(flexjax.masks.padding(lengths), 2, None, 256, 256, block_size=64),
+                flexjax.create_block_mask(None, 2, 2, 200, 256, block_size=64),
+                flexjax.create_mask(flexjax.masks.causal, None, None, 64, 64))
+
+    want = build()
+    with jax.sharding.use_abstract_mesh(mesh):
+        got = build()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -169,7 +169,7 @@ def test_residuals():
 def _abstract_mesh(platform):
     kind = "NVIDIA H100 80GB HBM3" if platform == "cuda" else "TPU v5 lite"
     device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform=platform)
-    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=device)
 
 
 @pytest.mark.parametrize("target", ["cuda", "tpu"])

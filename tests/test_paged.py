@@ -245,7 +245,8 @@ def _lowered_decode_steps(target: str, device: str, D: int, block: int, L: int, 
     pages = jax.ShapeDtypeStruct((8, block, 2, D), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((2,), jnp.int32)
     table = jax.ShapeDtypeStruct((2, L // block), jnp.int32)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device, 1, target))
+    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                        abstract_device=AbstractDevice(device, 1, target))
     with jax.sharding.use_abstract_mesh(mesh):
         return [jax.jit(f).trace(*args).lower(lowering_platforms=(target,)).as_text()
                 for f, args in ((contiguous, (q, k, k, pos)), (paged_step, (q, pages, pages, table, pos)))]

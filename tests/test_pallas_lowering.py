@@ -11,8 +11,6 @@ mod.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -32,8 +30,12 @@ MOSAIC_CALL = "tpu_custom_call"
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
-def _lower(name_or_score_mod, target, grad: bool, sharding=None):
-    """Lowered text of a catalog entry (or a bare score_mod) for ``target``."""
+def _lower(name_or_score_mod, target, grad: bool):
+    """Lowered text of a catalog entry (or a bare score_mod) for ``target``.
+
+    The BlockMask and the mods' arrays are built eagerly, outside the abstract mesh (JAX >= 0.11 gives an
+    AbstractMesh Explicit axes, where eager ops fail); only the trace and lowering run inside it. TPU
+    inputs are sharded over the mesh."""
     B, Sq, Skv, Hq, Hkv, D, Dv = SHAPE
     options = {"target": target}
     if isinstance(name_or_score_mod, str):
@@ -51,23 +53,23 @@ def _lower(name_or_score_mod, target, grad: bool, sharding=None):
         return fwd(q, k, v, params).astype(jnp.float32).sum()
 
     f = jax.grad(loss, argnums=(0, 1, 2, 3)) if grad else fwd
+    mesh = _cuda_mesh() if target == "cuda" else _tpu_mesh()
+    sharding = NamedSharding(mesh, P()) if target == "tpu" else None
     q = jax.ShapeDtypeStruct((B, Sq, Hq, D), jnp.bfloat16, sharding=sharding)
     k = jax.ShapeDtypeStruct((B, Skv, Hkv, D), jnp.bfloat16, sharding=sharding)
     v = jax.ShapeDtypeStruct((B, Skv, Hkv, Dv), jnp.bfloat16, sharding=sharding)
-    # TPU callers enter their mesh themselves: their inputs are sharded over it.
-    mesh = jax.sharding.use_abstract_mesh(_cuda_mesh()) if target == "cuda" else contextlib.nullcontext()
-    with mesh:
+    with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(f).trace(q, k, v, params).lower(lowering_platforms=(target,)).as_text()
 
 
 def _cuda_mesh():
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=1, platform="cuda")
-    return AbstractMesh((1,), ("x",), abstract_device=device)
+    return AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=device)
 
 
 def _tpu_mesh():
     device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    return AbstractMesh((1,), ("x",), abstract_device=device)
+    return AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=device)
 
 
 def _lowering_grid(target_index):
@@ -88,9 +90,7 @@ def test_cuda_lowering(name, grad):
 
 @pytest.mark.parametrize("name,grad", _lowering_grid(1))
 def test_tpu_lowering(name, grad):
-    mesh = _tpu_mesh()
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = _lower(name, "tpu", grad, NamedSharding(mesh, P()))
+    text = _lower(name, "tpu", grad)
     assert text.count(MOSAIC_CALL) == (3 if grad else 1)
 
 
@@ -124,14 +124,8 @@ def test_call_primitives_are_inlined(target):
 
     Their sub-jaxprs are ClosedJaxprs or open Jaxprs on JAX 0.10 and one Jaxpr class on 0.11.
     """
-    if target == "cuda":
-        text = _lower(_nested_calls, target, grad=True)
-        assert text.count(TRITON_CALL) == 3
-        return
-    mesh = _tpu_mesh()
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = _lower(_nested_calls, target, grad=True, sharding=NamedSharding(mesh, P()))
-    assert text.count(MOSAIC_CALL) == 3
+    text = _lower(_nested_calls, target, grad=True)
+    assert text.count(TRITON_CALL if target == "cuda" else MOSAIC_CALL) == 3
 
 
 def test_tpu_gather_error_names_the_mod():

@@ -49,7 +49,7 @@ _UNARY = {"exp": ("fj_exp", "fj_vexp"), "log": ("logf", None), "tanh": ("fj_tanh
           "logistic": ("fj_logistic", "fj_vlogistic"), "log1p": ("log1pf", None), "expm1": ("expm1f", None),
           "sin": ("sinf", None), "cos": ("cosf", None), "erf": ("erff", None), "sqrt": ("sqrtf", None),
           "floor": ("floorf", None), "ceil": ("ceilf", None), "exp2": ("exp2f", None),
-          "rsqrt": ("fj_rsqrt", None), "abs": ("fabsf", None)}
+          "rsqrt": ("fj_rsqrt", None), "abs": ("fabsf", None), "log2": ("log2f", None)}  # log2: JAX 0.11+
 
 _C_SCALAR = {"float32": "float", "int32": "int32_t", "uint32": "uint32_t", "bool": "bool"}
 _C_VECTOR = {"float32": "v16", "int32": "vi16", "uint32": "vu16", "bool": "vi16"}
@@ -74,6 +74,7 @@ static inline float fj_tanh(float x) { return tanhf(x); }
 static inline v16 fj_vlogistic(v16 x) { return 1.0f / (1.0f + fj_vexp(-x)); }
 static inline float fj_logistic(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float fj_rsqrt(float x) { return 1.0f / sqrtf(x); }
+template <class T, class F> static inline T fj_bits(F x) { T r; std::memcpy(&r, &x, sizeof(r)); return r; }
 static inline float fj_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
 static inline float fj_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
 static inline v16 fj_vmax(v16 a, v16 b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
@@ -317,6 +318,40 @@ def _pow(c: _Ctx):
     return c.call("powf", c.args())
 
 
+def _one_minus_square(c: _Ctx):
+    """``1 - x * x`` (JAX 0.11+ differentiates tanh with it), as JAX lowers it: ``(1 + x) * (1 - x)``."""
+    if c.out == "bool":
+        raise c.em.unsupported("primitive 'one_minus_square' on booleans")
+    (a,) = c.args()
+    one = c.em.literal(np.asarray(1, dtype=c.out))
+    one = c.em.vec(one) if c.vec else one.text
+    return c.assign(f"(({one} + {a}) * ({one} - {a}))")
+
+
+def _polynomial(c: _Ctx):
+    """``c0 + x * (c1 + x * (... + x * cN))`` (JAX 0.12+), Horner's rule as JAX lowers it."""
+    if c.out == "bool":
+        raise c.em.unsupported("primitive 'polynomial' on booleans")
+    x, *coeffs = c.args()
+    acc = c.assign(coeffs[-1])
+    for k in reversed(coeffs[:-1]):
+        acc = c.assign(f"({acc.text} * {x} + {k})")
+    return acc
+
+
+def _bitcast(c: _Ctx):
+    """Reinterprets the bits of a 32-bit value (JAX 0.12's erf gradient splits x^2 with it)."""
+    (a,) = c.args()
+    src, out = c.ins[0].dtype, c.out
+    if "bool" in (src, out):
+        raise c.em.unsupported("primitive 'bitcast_convert_type' on booleans")
+    if src == out:
+        return c.ins[0]
+    if c.vec:
+        return c.assign(f"(({_C_VECTOR[out]})({a}))")
+    return c.assign(f"fj_bits<{_C_SCALAR[out]}>({a})")
+
+
 def _shift(c: _Ctx):
     a, b = c.args()
     name = c.node.prim.name
@@ -378,6 +413,9 @@ _RULES = {
     "is_finite": _is_finite,
     "integer_pow": lambda c: _int_pow(c.em, c.ins[0], c.node.params["y"], c.vec, c.out),
     "square": lambda c: _int_pow(c.em, c.ins[0], 2, c.vec, c.out),
+    "one_minus_square": _one_minus_square,  # JAX 0.11+
+    "polynomial": _polynomial,  # JAX 0.12+
+    "bitcast_convert_type": _bitcast,
     "pow": _pow,
     "shift_left": _shift,
     "shift_right_arithmetic": _shift,

@@ -45,9 +45,22 @@ from .._frontend import (
     target_and_interpret,
 )
 from .._layout import Mods, geometry, pad_axis, prologues
-from . import _kernels, _mma
 
 NAME = "mosaic_gpu"
+
+# Mosaic GPU (jax.experimental.pallas.mosaic_gpu) imports absl-py, which JAX does not install, and a
+# bare `pip install flexjax` must still serve every CPU call: the kernels load where their packages
+# import, and elsewhere ``supports`` refuses with the extra that brings them.
+try:
+    from . import _kernels, _mma
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] in ("flexjax", "jax"):  # a flexjax bug, or a JAX too old: not a missing extra
+        raise
+    _kernels = _mma = None
+    MISSING = (f"the mosaic_gpu backend needs the {e.name!r} package (Mosaic GPU imports it; JAX does not install "
+               "it): pip install 'flexjax[gpu]'")
+else:
+    MISSING = None
 
 _TARGETS = ("cuda",)
 # Compute capabilities the kernels are written for: sm_90a (wgmma) and sm_100a (tcgen05, TMEM).
@@ -102,6 +115,8 @@ def heuristics(head_dim: int, block_size, compute_capability: int = 90) -> Kerne
     sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
     (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
     thread (sliding window + ALiBi, D = 64 and 128), none at 32."""
+    if MISSING is not None:
+        raise NotImplementedError(MISSING)
     tk = 32 if compute_capability >= 100 else 64
     # Backward: 32-key steps in dQ and 32-query steps in dK/dV (tiles with a 64-byte swizzle).
     # sm_90a, D = 128, sliding window + ALiBi (tests_compile/mosaic_gpu_suite.py): dQ spilled 140 B
@@ -165,6 +180,8 @@ def _tile_reason(spec, o: KernelOptions) -> str | None:
 @never_raises
 def supports(spec, q, k, v) -> str | None:
     """None if the mosaic_gpu backend can serve this call, else why not (``validate_options`` has run)."""
+    if MISSING is not None:
+        return MISSING
     basic = basic_reason(NAME, spec, q, _FIELDS, _host_target())
     if basic is not None:
         return basic

@@ -46,8 +46,10 @@ class KernelOptions(KernelOptionsBase):
     ``target`` is "cuda" or "tpu"; on a host without a GPU, JAX 0.11 lowers "cuda" kernels
     only inside ``jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",),
     abstract_device=AbstractDevice("NVIDIA H100", 1, "cuda")))``, which names the GPU to
-    compile for (0.10 assumed sm_90). On a CPU host without a target the GPU template runs
-    in Pallas' interpreter.
+    compile for (0.10 assumed sm_90), with ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``.
+    From JAX 0.11 that mesh's axes are Explicit, where eager ops fail: build inputs and other
+    arrays before entering it (``create_block_mask`` steps out of it by itself). On a CPU host
+    without a target the GPU template runs in Pallas' interpreter.
     """
 
 

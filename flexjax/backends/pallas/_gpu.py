@@ -33,6 +33,7 @@ from ._tile import (
     flat_index,
     forward_tile,
     onehot_partial,
+    reduce_axes,
     tile_indices,
 )
 
@@ -253,7 +254,8 @@ def _dq_kernel(*refs, g: Geom, mods: Mods, scale: float, shapes, n_drows: int, a
                 flat = flat_index(idx, shape)
                 flat = jnp.broadcast_to(flat, d.shape)
                 # Only the chunks this tile's indices reach; the order stays fixed (deterministic).
-                first, last = _div(flat.min(), _ONEHOT_CHUNK), _div(flat.max(), _ONEHOT_CHUNK)
+                first = _div(reduce_axes(jnp.min, flat), _ONEHOT_CHUNK)
+                last = _div(reduce_axes(jnp.max, flat), _ONEHOT_CHUNK)
 
                 @pl.loop(first, last + 1)
                 def _(c, ref=ref, flat=flat, d=d):

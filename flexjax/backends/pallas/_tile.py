@@ -220,6 +220,21 @@ def backward_tile(mods, q, k, v, do, lse, delta, t: Tile, scale, masked: bool,
     return TileGrads(pv, ds_raw, rows, cols, grads)
 
 
+def reduce_axes(reduce, x, axes=None):
+    """``reduce(x, axis=axes)`` (default: every axis) as one reduction per axis, the last first.
+
+    Pallas-Triton lowers a reduction over several axes as such a chain itself, but keeps the input's
+    sharding on each intermediate, which under an Explicit mesh (an AbstractMesh's default from JAX
+    0.11, the one that lowers for a GPU from a CPU host) raises "Length of sharding.spec". The
+    ``-(-x)`` between steps is the one JAX's rule puts there (a layout conversion Triton needs between
+    chained reductions, triton#1776); it is exact.
+    """
+    axes = tuple(range(x.ndim)) if axes is None else tuple(a % x.ndim for a in axes)
+    for n, axis in enumerate(sorted(axes, reverse=True)):
+        x = reduce(jnp.negative(jnp.negative(x)) if n else x, axis=axis)
+    return x
+
+
 def onehot_partial(flat_idx, grad, start, size):
     """Sum of ``grad`` over the tile positions whose flat index is in [start, start+size).
 
@@ -228,7 +243,7 @@ def onehot_partial(flat_idx, grad, start, size):
     """
     targets = start + lax.broadcasted_iota(jnp.int32, (1, 1, size), 2)
     hit = flat_idx[:, :, None] == targets
-    return jnp.where(hit, grad[:, :, None], 0.0).sum(axis=(0, 1))
+    return reduce_axes(jnp.sum, jnp.where(hit, grad[:, :, None], 0.0), (0, 1))
 
 
 def flat_index(idx, shape):

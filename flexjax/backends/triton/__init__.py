@@ -206,8 +206,9 @@ def _missing_modules(interpret: bool) -> str | None:
             __import__(name)
         except Exception as e:  # jax_triton also fails to import without a CUDA jaxlib plugin
             use = "Triton's interpreter" if interpret else "GPU kernels"
-            pip = name.replace("_", "-")
-            return f"the triton backend needs the {name!r} package for {use} ({e}); pip install {pip}"
+            fix = ("pip install torch (Triton's interpreter holds its tensors in torch's)" if name == "torch" else
+                   "pip install 'flexjax[gpu]' (Triton 3.6 with jax-triton 0.3.1, the pair flexjax is tested with)")
+            return f"the triton backend needs the {name!r} package for {use} ({e}); {fix}"
     return None
 
 

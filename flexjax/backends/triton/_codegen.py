@@ -61,7 +61,8 @@ _TL_DTYPES = {
 _BINARY = {"add": "+", "add_any": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
            "ne": "!=", "and": "&", "or": "|", "xor": "^", "shift_left": "<<", "shift_right_arithmetic": ">>"}
 _UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "sin": "tl.sin", "cos": "tl.cos",
-             "floor": "tl.floor", "ceil": "tl.ceil", "erf": "tl.erf", "abs": "tl.abs", "sqrt": "tl.sqrt_rn"}
+             "floor": "tl.floor", "ceil": "tl.ceil", "erf": "tl.erf", "abs": "tl.abs", "sqrt": "tl.sqrt_rn",
+             "log2": "tl.log2"}  # log2: a primitive of its own from JAX 0.11
 # Functions written out in tl ops (``_HELPERS``), accurate to a few float32 ulp.
 _UNARY_HELPER = {"tanh": "tanh", "log1p": "log1p", "expm1": "expm1", "logistic": "logistic"}
 
@@ -298,6 +299,25 @@ def _pow(em, node, ins):
     return em.assign(f"tl.where({x} < 0, tl.where({whole}, tl.where({odd}, -{mag}, {mag}), float(\"nan\")), {mag})")
 
 
+def _polynomial(em, node, ins):
+    """``c0 + x * (c1 + x * (... + x * cN))`` (JAX 0.12+), Horner's rule as JAX lowers it."""
+    if node.out_avals[0].dtype == jnp.bool_:
+        raise em.unsupported("polynomial")
+    x, *coeffs = ins
+    acc = em.assign(coeffs[-1])
+    for k in reversed(coeffs[:-1]):
+        acc = em.assign(f"({acc} * {x} + {k})")
+    return acc
+
+
+def _bitcast(em, node, ins):
+    """Reinterprets a value's bits (JAX 0.12's erf gradient splits x^2 with it)."""
+    src, out = node.in_avals[0].dtype, node.out_avals[0].dtype
+    if jnp.bool_ in (src, out) or jnp.dtype(src).itemsize != jnp.dtype(out).itemsize:
+        raise em.unsupported("bitcast_convert_type")
+    return em.assign(f"{ins[0]}.to({_tl(out)}, bitcast=True)")
+
+
 def _shift_right_logical(em, node, ins):
     t = _tl(node.out_avals[0].dtype)
     ut = t.replace("tl.int", "tl.uint")
@@ -322,6 +342,11 @@ _RULES = {
     "convert_element_type": _convert,
     "integer_pow": lambda em, node, ins: em.assign(em.int_pow(ins[0], node.params["y"], _fl(node))),
     "square": lambda em, node, ins: em.assign(em.int_pow(ins[0], 2, _fl(node))),
+    # 1 - x * x (JAX 0.11+ differentiates tanh with it), as JAX lowers it: (1 + x) * (1 - x).
+    "one_minus_square": lambda em, node, ins: em.assign(
+        f"(({'1.0' if _fl(node) else '1'} + {ins[0]}) * ({'1.0' if _fl(node) else '1'} - {ins[0]}))"),
+    "polynomial": _polynomial,  # JAX 0.12+
+    "bitcast_convert_type": _bitcast,
     "pow": _pow,
     "rsqrt": lambda em, node, ins: em.assign(f"(1.0 / tl.sqrt_rn({ins[0]}))"),
     "is_finite": lambda em, node, ins: em.assign(f"(tl.abs({ins[0]}) < float(\"inf\"))"),
