@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-extra test-all test-bare test-py312 test-compile bench lint docs clean wheel gpu-check-rehearsal example
+.PHONY: demo test test-extra test-all test-bare test-py312 test-compile test-compile-gpu-stack bench lint docs clean wheel gpu-check-rehearsal example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,9 @@ test-bare:
 	cd $(BVENV) && bin/python $(CURDIR)/tests/bare_install.py --bare
 
 # make test on Python 3.12 with the newest JAX that pip gives it (JAX >= 0.11 needs Python >= 3.12), in a
-# fresh venv: the leg that meets JAX's next change first. JAX_SPEC=jax==0.11.2 pins the GPU machine's
-# release instead. Skipped, and said so, where this host has no Python 3.12.
+# fresh venv: the leg that meets JAX's next change first, so it installs the newest JAX even past
+# pyproject's upper bound (pip says so). JAX_SPEC=jax==0.11.2 pins the GPU machine's release instead.
+# Skipped, and said so, where this host has no Python 3.12. About 7 minutes on 2 cores.
 P12VENV := build/venv-py312
 JAX_SPEC ?= jax
 PY312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
@@ -43,7 +44,8 @@ PY312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/b
 test-py312:
 	@if test -z "$(PY312)"; then echo "test-py312: no Python 3.12 on this host; skipped"; exit 0; fi; \
 	set -e; rm -rf $(P12VENV); $(PY312) -m venv $(P12VENV); \
-	$(P12VENV)/bin/python -m pip install -q --upgrade "$(JAX_SPEC)" -e '.[test]'; \
+	$(P12VENV)/bin/python -m pip install -q -e '.[test]'; \
+	$(P12VENV)/bin/python -m pip install -q --upgrade "$(JAX_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true; \
 	$(P12VENV)/bin/python -c 'import jax, sys; print("test-py312: Python", sys.version.split()[0], "JAX", jax.__version__)'; \
 	$(P12VENV)/bin/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider
 
@@ -76,12 +78,35 @@ $(CSTAMP): pyproject.toml
 # The mosaic_gpu backend's: its kernels compiled for sm_90a with ptxas' registers and spills
 # (mosaic_gpu_suite.py, which also checks that sm_100a is refused), and the tests marked `mosaic_gpu`
 # (the catalog in Mosaic GPU's interpreter, about 6 minutes on 2 cores).
+#
+# On this leg (JAX 0.10.2, CUDA 12 plugin): the pallas kernels for TPU v5e, all of them, and for sm_90 only
+# at bfloat16 and D = 128 (PALLAS_CUDA_ONLY): Pallas' Triton lowering is deprecated from JAX 0.11, and
+# backend=None reaches it on a GPU only where neither mosaic_gpu nor triton serves (the full sweep:
+# PALLAS_CUDA_ONLY=.). The triton and mosaic_gpu suites run in full on the GPU machine's stack
+# (test-compile-gpu-stack); here the mosaic_gpu suite's first configurations only, as a check of JAX 0.10.
+PALLAS_CUDA_ONLY ?= /bfloat16/D128/
 test-compile: $(CSTAMP)
-	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_table.md
-	$(CPY) tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md
+	$(CPY) tests_compile/compile_suite.py --jobs $(COMPILE_JOBS) --only '^tpu/|^cuda/.*$(PALLAS_CUDA_ONLY)' \
+	  --out tests_compile/last_table.md
 	$(CPY) tests_compile/decode_suite.py > tests_compile/last_decode_table.txt || (cat tests_compile/last_decode_table.txt; exit 1)
-	$(CPY) tests_compile/mosaic_gpu_suite.py --out tests_compile/last_mosaic_gpu_table.md
+	$(CPY) tests_compile/mosaic_gpu_suite.py --quick --out tests_compile/last_mosaic_gpu_table_jax010.md
 	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m 'triton or mosaic_gpu' tests
+
+# The compile suites on the GPU machine's stack: Python 3.12, JAX 0.11.2 with jax-cuda13-plugin and CUDA
+# 13.0's ptxas, Triton 3.6 with jax-triton 0.3.1 (pyproject's `compile` extra on Python >= 3.12), in
+# build/venv-compile-gpu: the triton backend's kernels for sm_90 and sm_80 (triton_suite.py) and the
+# mosaic_gpu kernels for sm_90a and sm_100a (mosaic_gpu_suite.py), every configuration. Skipped, and said
+# so, where this host has no Python 3.12. About 16 minutes on 2 cores.
+GVENV := build/venv-compile-gpu
+GPU_JAX ?= 0.11.2
+test-compile-gpu-stack:
+	@if test -z "$(PY312)"; then echo "test-compile-gpu-stack: no Python 3.12 on this host; skipped"; exit 0; fi; \
+	set -e; test -x $(GVENV)/bin/python || $(PY312) -m venv $(GVENV); \
+	$(GVENV)/bin/python -m pip install -q "jax==$(GPU_JAX)" "jaxlib==$(GPU_JAX)" "jax-cuda13-plugin==$(GPU_JAX)" \
+	  "jax-cuda13-pjrt==$(GPU_JAX)" -e '.[compile]' 2>&1 | grep -v "^WARNING: Location" || true; \
+	$(GVENV)/bin/python -c 'import jax, sys; print("test-compile-gpu-stack: Python", sys.version.split()[0], "JAX", jax.__version__)'; \
+	$(GVENV)/bin/python tests_compile/triton_suite.py --jobs $(COMPILE_JOBS) --out tests_compile/last_triton_table.md; \
+	$(GVENV)/bin/python tests_compile/mosaic_gpu_suite.py --out tests_compile/last_mosaic_gpu_table.md
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

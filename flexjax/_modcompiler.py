@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._jaxpr import collect_prims
+from ._jaxpr import collect_prims, sub_jaxprs
 from ._modir import READS, SHAPE_ONLY, Lit, Node, _size1, bind, flatten, read_indices, read_problem
 from ._trace import StaticMod
 
@@ -54,6 +54,19 @@ _TRITON_GAPS = frozenset({"erf", "round", "sort", "cumsum", "cumlogsumexp", "cum
 _MOSAIC_GAPS = frozenset({"sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
 # Wrappers that Pallas inlines on every target.
 _PLUMBING = frozenset({"jit", "pjit", "stop_gradient"})
+
+
+def _horner(x, *coeffs):
+    """``coeffs[0] + x * (coeffs[1] + ...)``: ``polynomial`` (JAX 0.12's erf gradient) as JAX's own lowering
+    computes it, for the Pallas lowerings, which have no rule for the primitive."""
+    acc = coeffs[-1]
+    for c in reversed(coeffs[:-1]):
+        acc = acc * x + c
+    return acc
+
+
+# Primitives the mod compiler evaluates as other primitives, where the Pallas lowerings lack them.
+_EXPANDED = {"polynomial": _horner}
 
 TARGETS = ("interpret", "cuda", "tpu", "triton", "mosaic_gpu")
 # The backend that compiles for each target (named in error messages).
@@ -296,6 +309,8 @@ def _eval_node(node: Node, env, arrays, load, mod_name, target: str = "interpret
         n = max(len(v) for v in ins if isinstance(v, list))
         comps = [[v[i] if isinstance(v, list) else v for v in ins] for i in range(n)]
         return [[bind(node, _broadcast(c)) for c in comps]]
+    if name in _EXPANDED:
+        return [_EXPANDED[name](*_broadcast(ins))]
     if target == "tpu" and name == "select_n" and node.out_avals[0].dtype == jnp.bool_:
         # Mosaic rejects selects between boolean vectors ("Invalid input layout"): select int32.
         pred, *cases = _broadcast(ins)
@@ -454,10 +469,26 @@ def _check_prims(prims, target: str, mod_name: str, where: str):
         return
     lowering = {"cuda": "Triton (GPU)", "tpu": "Mosaic (TPU)", "mosaic_gpu": "Mosaic GPU"}[target]
     for p in sorted(prims):
-        if p in gaps or (p not in rules and p not in _PLUMBING):
+        if p in gaps or (p not in rules and p not in _PLUMBING and p not in _EXPANDED):
             raise NotImplementedError(
                 f"mod {mod_name!r} uses primitive {p!r}{where}, which the {_BACKEND[target]} backend cannot lower "
                 f"for {lowering}; rewrite the mod without it or use backend='xla'")
+
+
+def _check_accuracy(jaxpr, target: str, mod_name: str, where: str):
+    """Mosaic (TPU) and Mosaic GPU lower no primitive with an ``accuracy`` setting (JAX 0.12's erf gradient
+    asks for exp at ``HIGHEST``): refuse such a mod rather than fail while lowering or run it less exactly."""
+    if target not in ("tpu", "mosaic_gpu"):
+        return
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("accuracy") is not None:
+            lowering = {"tpu": "Mosaic (TPU)", "mosaic_gpu": "Mosaic GPU"}[target]
+            raise NotImplementedError(
+                f"mod {mod_name!r} uses primitive {eqn.primitive.name!r} with accuracy={eqn.params['accuracy']}"
+                f"{where}, which the {_BACKEND[target]} backend cannot lower for {lowering}; use backend='xla'"
+                + (" or 'triton'" if target == "mosaic_gpu" else ""))
+        for sub in sub_jaxprs(eqn.params):
+            _check_accuracy(sub, target, mod_name, where)
 
 
 @contextlib.contextmanager
@@ -591,12 +622,14 @@ def _check_kernel_part(c: CompiledMod):
     cols = tuple(jnp.zeros((1, tk), c.storage_dtype(v)) for v in c.cols)
     loaded = tuple(jnp.zeros((tq, tk), node.out_avals[0].dtype) for node in reads)
     score = jnp.zeros((tq, tk), jnp.float32) if c.mod.kind == "score" else None
-    prims = collect_prims(jax.make_jaxpr(f)(score, rows, cols, loaded).jaxpr)
-    _check_prims(prims, c.target, c.name, "")
+    jaxpr = jax.make_jaxpr(f)(score, rows, cols, loaded).jaxpr
+    _check_prims(collect_prims(jaxpr), c.target, c.name, "")
+    _check_accuracy(jaxpr, c.target, c.name, "")
     if c.mod.kind == "score":
         def g(score, rows, cols, loaded):
             _, vjp = jax.vjp(f, score, rows, cols, loaded)
             return vjp(jnp.ones((tq, tk), jnp.float32))
 
-        prims = collect_prims(jax.make_jaxpr(g)(score, rows, cols, loaded).jaxpr)
-        _check_prims(prims, c.target, c.name, " in its gradient")
+        jaxpr = jax.make_jaxpr(g)(score, rows, cols, loaded).jaxpr
+        _check_prims(collect_prims(jaxpr), c.target, c.name, " in its gradient")
+        _check_accuracy(jaxpr, c.target, c.name, " in its gradient")

@@ -162,8 +162,11 @@ def optional_backends(bare: bool) -> None:
         except NotImplementedError as e:
             got = str(e)
             print(f"ok   backend={name!r} refuses: {got}")
-        if bare and name in ("mosaic_gpu", "triton") and "flexjax[gpu]" not in got:
-            raise AssertionError(f"backend={name!r} on a bare install should name the gpu extra, got {got!r}")
+        # Refused for a package the bare install lacks: the reason names what to install. (From JAX 0.12 Mosaic
+        # GPU imports without absl-py, and mosaic_gpu serves, in its interpreter on a CPU host.)
+        missing = "needs the" in got and "package" in got
+        if bare and missing and "flexjax[gpu]" not in got and "pip install torch" not in got:
+            raise AssertionError(f"backend={name!r} on a bare install should name the extra to install, got {got!r}")
     print(f"ok   backend=None serves with {flexjax.explain(q, q, q).backend!r} on {jax.default_backend()}")
 
 

@@ -14,4 +14,4 @@ def test_entry_points_without_optional_packages():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "bare install: every check passed" in run.stdout
-    assert "backend='mosaic_gpu' refuses" in run.stdout and "flexjax[gpu]" in run.stdout
+    assert "backend='triton' refuses" in run.stdout and "flexjax[gpu]" in run.stdout

@@ -114,3 +114,22 @@ def test_the_backend_refuses_unsupported_versions(installed, monkeypatch):
         out = flexjax.flex_attention(q, q, q)
     assert any("Triton 3.9.0" in str(w.message) and "using 'xla'" in str(w.message) for w in seen)
     assert out.shape == q.shape
+
+
+def test_mosaic_gpu_without_its_package_refuses_with_the_extra(monkeypatch):
+    """Where Mosaic GPU cannot import (absl-py missing, before JAX 0.12), the backend module still imports and
+    refuses every call with the extra that brings the package; backend=None moves past it."""
+    import jax
+
+    import flexjax
+    from flexjax.backends import mosaic_gpu
+
+    reason = ("the mosaic_gpu backend needs the 'absl' package (Mosaic GPU imports it; JAX does not install it): "
+              "pip install 'flexjax[gpu]'")
+    monkeypatch.setattr(mosaic_gpu, "MISSING", reason)
+    q = jax.numpy.zeros((1, 128, 2, 64), jax.numpy.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"flexjax\[gpu\]"):
+        flexjax.explain(q, q, q, backend="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match=r"flexjax\[gpu\]"):
+        mosaic_gpu.heuristics(64, (128, 128))
+    assert flexjax.explain(q, q, q).backend == "xla"

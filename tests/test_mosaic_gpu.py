@@ -316,3 +316,38 @@ def test_sinks_and_auxiliary_outputs():
     g = jax.grad(loss)(sinks, "mosaic_gpu", q, k, v)
     gr = jax.grad(loss)(sinks, "reference", *f32)
     np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=3e-2 * max(1.0, float(np.abs(gr).max())))
+
+
+def test_kernels_pin_lane_semantics(monkeypatch):
+    """The kernels are written for (and compiled and checked with) Lane lowering semantics; JAX 0.11 made
+    Warpgroup the default, so every kernel passes Lane itself."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from flexjax import _api
+
+    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    seen, kernel = [], plgpu.kernel
+    monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: seen.append(kw.get("compiler_params")) or kernel(*a, **kw))
+    _lower_for_h100(mods.soft_cap(20.0), grad=True)
+    assert len(seen) >= 3, seen  # forward, dQ, dK/dV
+    assert all(p is not None and p.lowering_semantics == plgpu.LoweringSemantics.Lane for p in seen), seen
+
+
+@pytest.mark.parametrize("score", ["soft_cap", "alibi"])
+def test_calls_served_by_mosaic_gpu_never_reach_pallas_triton(monkeypatch, score):
+    """Pallas' Triton lowering is deprecated from JAX 0.11 (a warning per kernel): a call that mosaic_gpu
+    serves with backend=None lowers no Pallas-Triton kernel and raises no such warning."""
+    import warnings
+
+    from jax.experimental.pallas import triton as pl_triton
+
+    from flexjax import _api
+
+    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    mod = mods.soft_cap(20.0) if score == "soft_cap" else mods.alibi(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text, _ = _lower_for_h100(mod, grad=True)
+    assert "mosaic_gpu" in text
+    assert getattr(pl_triton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton") not in text
+    assert not [w for w in caught if "Pallas Triton" in str(w.message)]

@@ -138,3 +138,30 @@ def test_tpu_gather_error_names_the_mod():
 
     with pytest.raises(NotImplementedError, match="product_bias.*'(dynamic_slice|gather)'.*Mosaic TPU"):
         flexjax.flex_attention(x, x, x, product_bias, backend="pallas", kernel_options={"target": "tpu"})
+
+
+def _erf_score(score, b, h, q_idx, kv_idx):
+    return score + jax.scipy.special.erf(score / 4.0)
+
+
+def test_tpu_erf_gradient_lowers_or_is_refused():
+    """JAX 0.12 differentiates erf through ``polynomial`` (which the mod compiler evaluates by Horner's rule, as
+    JAX's own lowering does) and an exp at accuracy=HIGHEST, which Mosaic TPU cannot lower: that call is refused
+    with the reason, never a crash while lowering."""
+    try:
+        text = _lower(_erf_score, "tpu", grad=True)
+    except NotImplementedError as e:
+        assert "accuracy" in str(e) and "_erf_score" in str(e), e
+    else:
+        assert text.count(MOSAIC_CALL) == 3
+
+
+def test_erf_gradient_in_the_interpreter_matches_the_reference():
+    q, k, v = (jax.random.normal(key, (1, 64, 2, 16)) for key in jax.random.split(jax.random.PRNGKey(1), 3))
+
+    def loss(q, backend):
+        return (flexjax.flex_attention(q, k, v, _erf_score, backend=backend) ** 2).sum()
+
+    got = jax.grad(loss)(q, "pallas")
+    want = jax.grad(loss)(q, "reference")
+    assert jnp.max(jnp.abs(got - want)) < 1e-4

@@ -61,6 +61,13 @@ def dkv_rows(arch) -> int:
     return arch.rows * DKV_CONSUMERS
 
 
+def compiler_params():
+    """The kernels' Mosaic GPU compiler params: Lane lowering semantics (each thread's view of its
+    warpgroup's arrays, with explicit layouts), which the kernels are written in and compiled and
+    checked with. JAX 0.10 lowered with Lane by default; 0.11 made Warpgroup the default."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
 @functools.cache
 def _interpret_params():
     """Mosaic GPU's interpreter, with the one rule it lacks on a CPU host.
@@ -377,6 +384,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         kernel_name="flexjax_mgpu_fwd",
+        compiler_params=compiler_params(),
         interpret=_interpret_params() if interpret else None,
     )
     return call(kv_n, kv_i, fkv_n, fkv_i, q, k.transpose(0, 2, 3, 1), v, *rows, *cols, *(_seed(seed) if rate else ()))
@@ -510,7 +518,7 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
 def _call(kernel, out_type, scratch, grid, names, interpret, name, consumers=CONSUMERS):
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
                         num_threads=consumers + 1, thread_name="wg", kernel_name=name,
-                        interpret=_interpret_params() if interpret else None)
+                        compiler_params=compiler_params(), interpret=_interpret_params() if interpret else None)
 
 
 def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_ids, n_srows, n_scols, *,
