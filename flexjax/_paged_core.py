@@ -4,9 +4,11 @@ checks, the logical cache a pool stands for, token writes, and the autodiff of a
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _quant
 from ._factory import int_array
@@ -33,6 +35,85 @@ def paged_reason(impl, spec, q, k_pages, v_pages, lists, scales) -> str | None:
         reason = (impl.supports_quantized(spec, q, k_pages) if hasattr(impl, "supports_quantized")
                   else "no quantized pools")
     return reason
+
+
+# Whether traced page tables, lengths and ragged layouts are checked when the step runs (a host callback
+# that fires only on a bad input; ``flexjax.paged.runtime_checks`` turns it off).
+RUNTIME_CHECKS = os.environ.get("FLEXJAX_RUNTIME_CHECKS", "1") != "0"
+
+
+def set_runtime_checks(enabled: bool) -> bool:
+    """Turns the run-time checks of traced page tables, lengths and ragged layouts on or off; returns the
+    previous setting. It applies to steps traced after the call (a jitted step keeps what it was traced
+    with). Eager calls are always checked."""
+    global RUNTIME_CHECKS
+    previous, RUNTIME_CHECKS = RUNTIME_CHECKS, bool(enabled)
+    return previous
+
+
+def _cross_lowering() -> bool:
+    """Lowering for a GPU or TPU from a host without one (inside ``use_abstract_mesh`` of an abstract device, no
+    concrete mesh): XLA cannot lower a host callback for a platform other than the host's."""
+    from jax._src import mesh as mesh_lib
+
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    concrete = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
+    return (not mesh.empty and device is not None and getattr(device, "platform", "cpu") != "cpu"
+            and (concrete is None or concrete.empty))
+
+
+def fail_on_host(ok, fail, *args):
+    """Raises ``fail(*args)`` when ``ok`` is False: eagerly now, under jit when the computation runs (a host
+    callback behind a ``lax.cond``: nothing crosses to the host while ``ok`` holds)."""
+    if not isinstance(ok, jax.core.Tracer):
+        if not bool(ok):
+            fail(*(np.asarray(a) for a in args))
+        return
+    if not RUNTIME_CHECKS or _cross_lowering():
+        return
+    jax.lax.cond(ok, lambda *a: None, lambda *a: jax.debug.callback(fail, *a), *args)
+
+
+def check_pages(caller: str, page_table, kv_lengths, num_pages: int, page_size: int, lengths_name="kv_lengths"):
+    """The page table and lengths of a paged read can be right: every entry below ``num_pages`` (negative:
+    unassigned), every length in ``[0, max_pages * page_size]``, and every page a length reaches assigned.
+    A ValueError naming the argument, the sequence and the fix: eagerly, or when a jitted step runs."""
+    max_pages = page_table.shape[1]
+    capacity = max_pages * page_size
+    reached = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < kv_lengths[:, None]
+    ok = (jnp.all(page_table < num_pages) & jnp.all((kv_lengths >= 0) & (kv_lengths <= capacity))
+          & jnp.all(~reached | (page_table >= 0)))
+
+    def fail(table, lengths):
+        table, lengths = np.asarray(table), np.asarray(lengths)
+        rows, cols = np.nonzero(table >= num_pages)
+        if rows.size:
+            b, j = int(rows[0]), int(cols[0])
+            raise ValueError(
+                f"{caller}: page_table[{b}, {j}] = {int(table[b, j])} is past the pool's {num_pages} pages (sequence "
+                f"{b}'s logical page {j}); entries must be physical pages 0..{num_pages - 1}, or -1 where unassigned "
+                "(paged.reserve assigns them)")
+        bad = np.nonzero((lengths < 0) | (lengths > capacity))[0]
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"{caller}: {lengths_name}[{b}] = {int(lengths[b])} but the page table holds {capacity} tokens a "
+                f"sequence (max_pages {max_pages} x page_size {page_size}); pass lengths in [0, {capacity}] or a "
+                "wider page table")
+        for b in range(table.shape[0]):
+            need = -(-int(lengths[b]) // page_size)
+            holes = np.nonzero(table[b, :need] < 0)[0]
+            if holes.size:
+                j = int(holes[0])
+                raise ValueError(
+                    f"{caller}: sequence {b} has {lengths_name}[{b}] = {int(lengths[b])} tokens, which reach its "
+                    f"logical page {j}, but page_table[{b}, {j}] = {int(table[b, j])} is unassigned; assign the "
+                    f"pages first (paged.reserve(page_table, free_pages, {lengths_name}, {page_size})) or pass "
+                    "the sequence's true length")
+        raise ValueError(f"{caller}: page_table / {lengths_name} cannot be right")  # unreachable: ok was False
+
+    fail_on_host(ok, fail, page_table, kv_lengths)
 
 
 def _page_table(page_table, B: int | None = None) -> jax.Array:

@@ -4,8 +4,18 @@ A quantized pool stores ``x / scale`` rounded to int8 (round to nearest, clipped
 [-127, 127]) or converted to float8_e4m3fn (clipped to +-448); a loaded element is
 ``x_q * scale[page, head]``, in float32. Scales are float32 ``(Hkv,)`` (one per kv head,
 fixed: new tokens past ``127 * scale`` are clipped) or ``(num_pages, Hkv)`` (one per page
-and head: ``write`` raises a page's scale when a new token needs it, requantizing the
-page's earlier tokens once).
+and head, 0 for a page never written: ``write`` raises a page's scale when a new token needs
+it, requantizing the page's earlier tokens).
+
+A page's scale grows only by factors that make requantization exact (``grow``): odd integers
+for int8, whose grid of the new scale is then a union of whole cells of the old one, so
+rounding a code again gives what rounding the original value once would; powers of two for
+float8_e4m3fn, which only shift its exponent. Every element is therefore its value quantized
+once with its page's final scale, whatever the order and size of the writes: int8 within half
+a step (``scale / 2``), float8 within ``2**-4`` of its magnitude (3 mantissa bits; plus half
+its subnormal spacing, ``2**-10 * scale``). The price: a page's final scale is at most 3x
+(int8) or 2x (float8) its ``amax / qmax``, so an int8 element stays within 1.5 steps of
+``amax / 127``.
 """
 
 from __future__ import annotations
@@ -91,6 +101,23 @@ def check_scales(k_pages, v_pages, k_scale, v_scale):
     return tuple(out)
 
 
+def grow(scale, need, dtype):
+    """(new scale, factor) per (page, head): ``scale`` where it holds ``need`` already (factor 1); ``need``
+    on a page never written (scale 0: nothing to requantize; factor 1); else ``scale`` times the smallest
+    factor of the exact family that holds ``need``: an odd integer for int8, a power of two for float8."""
+    fresh = scale <= 0
+    ratio = need / jnp.where(fresh, 1.0, scale)
+    if jnp.dtype(dtype) == jnp.int8:
+        m = 2.0 * jnp.ceil((ratio - 1.0) / 2.0) + 1.0
+        m = jnp.where(scale * m < need, m + 2.0, m)  # float rounding of scale * m
+    else:
+        m = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(ratio, 1.0))))
+        m = jnp.where(scale * m < need, m * 2.0, m)
+    grows = (need > scale) & ~fresh
+    factor = jnp.where(grows, m, 1.0)
+    return jnp.where(fresh, jnp.maximum(need, 0.0), scale * factor), factor
+
+
 def write_quantized(pages, scale, page, slot, new, runs: int | None = None):
     """``pages`` with ``new`` (N, Hkv, D) written at (page[n], slot[n]) (a page index past the
     pool drops the token), quantized; returns (pages, scale). Per-head scales clip; per-page
@@ -109,7 +136,7 @@ def write_quantized(pages, scale, page, slot, new, runs: int | None = None):
     num_pages, ps = pages.shape[:2]
     N = page.shape[0]
     need = jnp.zeros_like(scale).at[page].max(jnp.max(jnp.abs(new), axis=-1) / qmax(dtype), mode="drop")
-    grown = jnp.maximum(scale, need)
+    grown, factor = grow(scale, need, dtype)
     # The pages written, one entry per run of tokens in one page (a page index past the pool:
     # none), read back and requantized where their scale grew.
     first = jnp.concatenate([jnp.ones((1,), bool), page[1:] != page[:-1]]) & (page < num_pages)
@@ -117,9 +144,9 @@ def write_quantized(pages, scale, page, slot, new, runs: int | None = None):
     at = jnp.nonzero(first, size=M, fill_value=N)[0]
     touched = jnp.where(at < N, page[jnp.clip(at, 0, N - 1)], num_pages)
     safe = jnp.clip(touched, 0, num_pages - 1)
-    g = grown[safe]
-    ratio = jnp.where(g > 0, scale[safe] / jnp.where(g > 0, g, 1.0), 0.0)
-    pages = pages.at[touched].set(_to_q(pages[safe].astype(jnp.float32) * ratio[:, None, :, None], dtype),
+    # Divided by the exact factor (not multiplied by a rounded old / new ratio): the nesting argument needs
+    # round(code / m) itself.
+    pages = pages.at[touched].set(_to_q(pages[safe].astype(jnp.float32) / factor[safe][:, None, :, None], dtype),
                                   mode="drop")
     gt = grown[jnp.clip(page, 0, num_pages - 1)]
     q = _to_q(new / jnp.where(gt > 0, gt, 1.0)[:, :, None], dtype)

@@ -25,13 +25,21 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._block_mask_type import EMPTY, FULL, PARTIAL, lists_from_states
 from ._factory import int_array
-from ._paged_core import _logical_like, _page_table, _paged, _write_slots, check_backend, paged_reason
+from ._paged_core import (
+    _logical_like,
+    _page_table,
+    _paged,
+    _write_slots,
+    check_backend,
+    check_pages,
+    fail_on_host,
+    paged_reason,
+)
 from ._spec import AttentionSpec, check_sinks, results
 from ._trace import trace_mod
 from .backends import get_backend
@@ -50,22 +58,6 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-# Whether traced layouts are checked at run time (a host callback). A compile for a GPU from a
-# host without one cannot lower a host callback: tests_compile/decode_suite.py turns it off.
-RUNTIME_CHECKS = True
-
-
-def _fail_on_host(ok, fail, *args):
-    """Raises ``fail(*args)`` when ``ok`` is False: eagerly now, under jit when it runs."""
-    if not isinstance(ok, jax.core.Tracer):
-        if not bool(ok):
-            fail(*(np.asarray(a) for a in args))
-        return
-    if not RUNTIME_CHECKS:
-        return
-    jax.lax.cond(ok, lambda *a: None, lambda *a: jax.debug.callback(fail, *a), *args)
-
-
 def _check_layout(cu, lengths, T: int, capacity: int):
     """cu_q_lens starts at 0, never decreases and ends within T; 0 <= q_len <= kv_len <= capacity."""
     q_lens = cu[1:] - cu[:-1]
@@ -73,13 +65,31 @@ def _check_layout(cu, lengths, T: int, capacity: int):
         (lengths >= 0) & (lengths <= capacity))
 
     def fail(cu_, lengths_):
-        raise ValueError(
-            "flex_attention_ragged: cu_q_lens must start at 0, never decrease and end at most at query.shape[0]="
-            f"{T}, and each sequence needs 0 <= q_len <= kv_lengths[i] <= max_pages * page_size = {capacity}; got "
-            f"cu_q_lens={np.asarray(cu_).tolist()}, kv_lengths={np.asarray(lengths_).tolist()} (kv_lengths counts "
-            "the new tokens: write them first, or use write_and_attend)")
+        raise ValueError("flex_attention_ragged: " + _layout_error(np.asarray(cu_), np.asarray(lengths_), T, capacity)
+                         + f" (cu_q_lens={np.asarray(cu_).tolist()}, kv_lengths={np.asarray(lengths_).tolist()})")
 
-    _fail_on_host(ok, fail, cu, lengths)
+    fail_on_host(ok, fail, cu, lengths)
+
+
+def _layout_error(cu, lengths, T: int, capacity: int) -> str:
+    """What is wrong with a ragged layout, the first fault named by its argument and sequence."""
+    if cu[0] != 0:
+        return f"cu_q_lens[0] = {int(cu[0])}; it must be 0 (sequence 0's queries start at query[0])"
+    q_lens = cu[1:] - cu[:-1]
+    for i in range(q_lens.size):
+        if q_lens[i] < 0:
+            return (f"cu_q_lens decreases at sequence {i} (cu_q_lens[{i}] = {int(cu[i])} > cu_q_lens[{i + 1}] = "
+                    f"{int(cu[i + 1])}); it must never decrease")
+    if cu[-1] > T:
+        return f"cu_q_lens[-1] = {int(cu[-1])} is past query.shape[0] = {T}; pass a query of at least that many rows"
+    for i in range(lengths.size):
+        if not 0 <= lengths[i] <= capacity:
+            return (f"kv_lengths[{i}] = {int(lengths[i])} but the page table holds {capacity} tokens a sequence "
+                    f"(max_pages x page_size); pass lengths in [0, {capacity}] or a wider page table")
+        if q_lens[i] > lengths[i]:
+            return (f"sequence {i} has {int(q_lens[i])} new queries but kv_lengths[{i}] = {int(lengths[i])}; "
+                    "kv_lengths counts the new tokens: write them first, or use write_and_attend")
+    return "the layout cannot be right"
 
 
 class _Tiles:
@@ -269,6 +279,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     ps = k_pages.shape[1]
     kv_len = pt.shape[1] * ps
     _check_layout(cu, lengths, T, kv_len)
+    check_pages("flex_attention_ragged", pt, lengths, k_pages.shape[0], ps)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bkv = math.gcd(ps, 128)
     G = Hq // k_pages.shape[2]

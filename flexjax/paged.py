@@ -39,7 +39,17 @@ from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows
     select_rows,
 )
 from ._factory import int_array
-from ._paged_core import _logical_like, _page_table, _paged, _write_slots, check_backend, gather, paged_reason  # noqa: F401
+from ._paged_core import (  # noqa: F401
+    _logical_like,
+    _page_table,
+    _paged,
+    _write_slots,
+    check_backend,
+    check_pages,
+    gather,
+    paged_reason,
+    set_runtime_checks,
+)
 from ._quant import dequantize, quantize  # noqa: F401 (public here)
 from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
@@ -84,9 +94,10 @@ def page_table_for(lengths, page_size: int, max_pages: int, *, num_pages: int | 
                    seed: int | None = None) -> np.ndarray:
     """A host-side page table int32 (B, max_pages) giving each sequence distinct pages.
 
-    Sequence ``b`` gets ``ceil(lengths[b] / page_size)`` pages (its other entries point at
-    page 0, never read past the length). ``seed`` shuffles the physical pages (tests);
-    ``num_pages`` defaults to the pages needed.
+    Sequence ``b`` gets ``ceil(lengths[b] / page_size)`` pages; its other entries are -1
+    (unassigned, as ``reserve`` marks them: a ``write`` there is dropped, never lands in
+    another sequence's page). ``seed`` shuffles the physical pages (tests); ``num_pages``
+    defaults to the pages needed.
     """
     lengths = np.asarray(lengths, np.int64)
     need = -(-lengths // page_size)
@@ -100,7 +111,7 @@ def page_table_for(lengths, page_size: int, max_pages: int, *, num_pages: int | 
     pages = np.arange(num_pages)
     if seed is not None:
         pages = np.random.default_rng(seed).permutation(num_pages)
-    table = np.zeros((lengths.size, max_pages), np.int32)
+    table = np.full((lengths.size, max_pages), -1, np.int32)
     start = 0
     for b, n in enumerate(need):
         table[b, :n] = pages[start:start + n]
@@ -150,15 +161,20 @@ def reserve(page_table, free_pages, new_lengths, page_size: int):
     return new_pt, new_free, ok
 
 
-def release(page_table, free_pages, done):
+def release(page_table, free_pages, done, *, k_scale=None, v_scale=None):
     """Frees the pages of the sequences where ``done`` is True and marks their table rows
-    unassigned (-1); jit-able. Returns ``(page_table, free_pages)``. (Pages shared between
-    sequences are not reference-counted: release a shared page once.)
+    unassigned (-1); jit-able. Returns ``(page_table, free_pages)``, or with the per-(page, head)
+    scales of a quantized pool ``(page_table, free_pages, k_scale, v_scale)``, the freed pages'
+    scales set to 0, so that the sequence that takes a page next quantizes it from its own
+    tokens. (Pages shared between sequences are not reference-counted: release a shared page
+    once.)
 
     Args:
       page_table: int32 (B, max_pages), -1 where unassigned.
       free_pages: bool (num_pages,).
       done: bool (B,).
+      k_scale, v_scale: float32 (num_pages, Hkv), a quantized pool's scales (``write``'s); pass both
+        or neither.
     """
     pt = _page_table(page_table)
     free = _free_map(free_pages)
@@ -166,8 +182,20 @@ def release(page_table, free_pages, done):
     if done.dtype != jnp.bool_ or done.shape != (pt.shape[0],):
         raise TypeError(f"done must be a bool array of shape (B={pt.shape[0]},), got {done.dtype} {done.shape}")
     drop = done[:, None] & (pt >= 0)
-    new_free = free.at[jnp.where(drop, pt, free.shape[0]).reshape(-1)].set(True, mode="drop")
-    return jnp.where(done[:, None], -1, pt), new_free
+    freed = jnp.where(drop, pt, free.shape[0]).reshape(-1)
+    new_free = free.at[freed].set(True, mode="drop")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("release: pass k_scale and v_scale together (a quantized pool's scales), or neither")
+    if k_scale is None:
+        return jnp.where(done[:, None], -1, pt), new_free
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        scale = jnp.asarray(scale)
+        if scale.ndim != 2 or scale.shape[0] != free.shape[0]:
+            raise ValueError(f"release: {name} must be the per-(page, head) scales, float32 (num_pages="
+                             f"{free.shape[0]}, Hkv), got shape {scale.shape}")
+        scales.append(scale.at[freed].set(0.0, mode="drop"))
+    return jnp.where(done[:, None], -1, pt), new_free, *scales
 
 
 def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None, v_scale=None):
@@ -342,6 +370,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     if lengths.shape != (B,):
         raise ValueError(f"kv_lengths must be int32 (B={B},), got shape {lengths.shape}")
     kv_len = pt.shape[1] * ps
+    check_pages("flexjax.paged.flex_attention", pt, lengths, k_pages.shape[0], ps)
     scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
     # dtypes, heads and head dims, checked as for a contiguous cache of one page.
     check_qkv(query, *_logical_like(B, ps, k_pages, v_pages, query.dtype if scales else None))

@@ -328,7 +328,8 @@ def test_kernels_pin_lane_semantics(monkeypatch):
     monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
     seen, kernel = [], plgpu.kernel
     monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: seen.append(kw.get("compiler_params")) or kernel(*a, **kw))
-    _lower_for_h100(mods.soft_cap(20.0), grad=True)
+    jax.clear_caches()  # kernels an earlier test in this process traced would not be built again
+    _lower_for_h100(mods.soft_cap(17.25), grad=True)
     assert len(seen) >= 3, seen  # forward, dQ, dK/dV
     assert all(p is not None and p.lowering_semantics == plgpu.LoweringSemantics.Lane for p in seen), seen
 

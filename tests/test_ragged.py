@@ -210,7 +210,7 @@ def test_ragged_bad_input():
         paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu[:-1])
     with pytest.raises(ValueError, match="kv_lengths must be"):
         paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS[:2], cu)
-    with pytest.raises(ValueError, match="q_len <= kv_lengths"):  # more new tokens than the sequence holds
+    with pytest.raises(ValueError, match="new queries but kv_lengths"):  # more new tokens than the sequence holds
         paged.flex_attention_ragged(q, k_pages, v_pages, table, np.array([3, 1, 70, 33, 5], np.int32), cu)
     with pytest.raises(ValueError, match="never decrease"):
         paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, np.array([0, 5, 3, 9, 42, 42], np.int32))

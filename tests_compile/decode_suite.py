@@ -141,11 +141,9 @@ def _compile(mesh, f, args, used):
 
 
 def _serving(target: str, mesh, used: list) -> int:
-    from flexjax import _ragged
-
-    # (The layout's run-time check is a host callback, which a cuda compile on this GPU-less
-    # host cannot lower.)
-    _ragged.RUNTIME_CHECKS = target != "cuda"
+    # (The layout's and page table's run-time checks are a host callback, which a cuda compile on this
+    # GPU-less host cannot lower.)
+    paged.set_runtime_checks(target != "cuda")
     sh = NamedSharding(mesh, P())
     opts = {"target": target}
     num_pages = S * L // PS
