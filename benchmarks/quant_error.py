@@ -67,7 +67,40 @@ def main(argv=None) -> int:
                 err = float(jnp.abs(got - exact).max())
                 where = "per (page, head)" if per_page else "per head"
                 print(f"| {name} | {qd}, {where} | {err:.4f} | {bound:.3f} | {float(jnp.abs(exact).max()):.2f} |")
+    written(args.length)
     return 0
+
+
+def written(L: int) -> None:
+    """Element errors of per-(page, head) pools filled by ``paged.write`` as a server fills them (scales
+    growing, pages requantized), in steps of amax / qmax of what each page holds: the largest error, and the
+    largest final scale over that step."""
+    B, HKV, D, PS = 4, 2, 128, 64
+    max_pages = -(-L // PS)
+    table = jnp.asarray(paged.page_table_for([L] * B, PS, max_pages))
+    x = jax.random.normal(jax.random.key(1), (B, L, HKV, D))
+    write = jax.jit(paged.write)
+    print(f"\nPools written by paged.write, B={B} L={L} Hkv={HKV} D={D} page {PS}, standard normal k: the largest "
+          "element error and the largest final scale, in steps of amax / qmax of each page and head")
+    print("| writes | dtype | max error / step | max final scale / step |")
+    print("|---|---|---|---|")
+    patterns = {"one token a step": [1] * L, "prefill 200, then one token a step": [200] + [1] * (L - 200),
+                "chunks of 16": [16] * (L // 16)}
+    for label, sizes in patterns.items():
+        for qd, qmax in (("int8", 127.0), ("float8_e4m3fn", 448.0)):
+            pages, _ = paged.allocate(int(table.max()) + 1, PS, HKV, D, getattr(jnp, qd))
+            scale = jnp.zeros((pages.shape[0], HKV), jnp.float32)
+            pos = 0
+            for n in sizes:
+                pages, _, scale, _ = write(pages, pages, table, pos, x[:, pos:pos + n], x[:, pos:pos + n],
+                                           k_scale=scale, v_scale=scale)
+                pos += n
+            got = paged.gather(pages, table, scale)[:, :L]
+            amax = jnp.abs(x).reshape(B, max_pages, PS, HKV, D).max((2, 4))  # (B, pages, Hkv)
+            step = jnp.repeat(amax / qmax, PS, axis=1)[:, :L, :, None]
+            err = float((jnp.abs(got - x) / step).max())
+            ratio = float((scale[table] / (amax / qmax)).max())
+            print(f"| {label} | {qd} | {err:.2f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

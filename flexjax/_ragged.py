@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,8 +59,9 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def _check_layout(cu, lengths, T: int, capacity: int):
-    """cu_q_lens starts at 0, never decreases and ends within T; 0 <= q_len <= kv_len <= capacity."""
+def _check_layout(cu, lengths, T: int, capacity: int) -> jax.Array:
+    """cu_q_lens starts at 0, never decreases and ends within T; 0 <= q_len <= kv_len <= capacity (the 0 of
+    ``fail_on_host`` comes back, to be added into the lengths)."""
     q_lens = cu[1:] - cu[:-1]
     ok = (cu[0] == 0) & jnp.all(q_lens >= 0) & (cu[-1] <= T) & jnp.all(q_lens <= lengths) & jnp.all(
         (lengths >= 0) & (lengths <= capacity))
@@ -68,7 +70,7 @@ def _check_layout(cu, lengths, T: int, capacity: int):
         raise ValueError("flex_attention_ragged: " + _layout_error(np.asarray(cu_), np.asarray(lengths_), T, capacity)
                          + f" (cu_q_lens={np.asarray(cu_).tolist()}, kv_lengths={np.asarray(lengths_).tolist()})")
 
-    fail_on_host(ok, fail, cu, lengths)
+    return fail_on_host(ok, fail, cu, lengths)
 
 
 def _layout_error(cu, lengths, T: int, capacity: int) -> str:
@@ -278,8 +280,8 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         raise ValueError("query must hold at least one token (T >= 1)")
     ps = k_pages.shape[1]
     kv_len = pt.shape[1] * ps
-    _check_layout(cu, lengths, T, kv_len)
-    check_pages("flex_attention_ragged", pt, lengths, k_pages.shape[0], ps)
+    lengths = lengths + _check_layout(cu, lengths, T, kv_len)
+    lengths = lengths + check_pages("flex_attention_ragged", pt, lengths, k_pages.shape[0], ps)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bkv = math.gcd(ps, 128)
     G = Hq // k_pages.shape[2]

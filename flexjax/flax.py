@@ -44,6 +44,7 @@ from . import paged
 from ._api import flex_attention
 from ._block_mask import BlockMask, block_mask_over_read_axes
 from ._drop_in import as_flex, check_implementation
+from ._paged_core import fail_on_host
 
 
 def _flatten_batch(x, batch: tuple[int, ...], name: str):
@@ -106,20 +107,15 @@ attention_fn = make_attention_fn()
 
 
 
-def _require(ok, fail, *args) -> None:
-    """Calls ``fail(*args)`` (which raises) where ``ok`` is False: eagerly at once, under jit at
-    run time through a host callback (a clamped or dropped cache write would be a silent wrong
-    answer)."""
-    try:
-        ok = bool(ok)
-    except jax.errors.ConcretizationTypeError:  # traced (under jit)
-        jax.lax.cond(ok, lambda *a: None, lambda *a: jax.debug.callback(fail, *a), *args)
-        return
-    if not ok:
-        fail(*args)
+def _require(ok, fail, *args) -> jax.Array:
+    """Calls ``fail(*args)`` (which raises) where ``ok`` is False: eagerly at once, under jit when the step
+    runs (a clamped or dropped cache write would be a silent wrong answer). Returns an int32 0 to add into
+    the position the call goes on to use (``flexjax.paged``'s ``fail_on_host``: a pure callback behind a
+    ``lax.cond``, free while ``ok`` holds)."""
+    return fail_on_host(ok, fail, *args)
 
 
-def _check_room(start, T: int, S: int) -> None:
+def _check_room(start, T: int, S: int) -> jax.Array:
     """Raises when T new positions from ``start`` do not fit a contiguous cache of S."""
     def fail(at):
         raise ValueError(f"the decode cache holds {S} positions; writing {T} at position {int(at)} overflows it "
@@ -127,7 +123,7 @@ def _check_room(start, T: int, S: int) -> None:
 
     if T > S:
         fail(0)
-    _require(start + T <= S, fail, start)
+    return _require(start + T <= S, fail, start)
 
 
 class FlexMultiHeadAttention(nnx.Module):
@@ -263,7 +259,7 @@ class FlexMultiHeadAttention(nnx.Module):
         start = self.cache_index[...]
         if self.page_table is None:
             kv_len = self.cached_key.shape[1]
-            _check_room(start, T, kv_len)
+            start = start + _check_room(start, T, kv_len)
             self.cached_key[...] = jax.lax.dynamic_update_slice(
                 self.cached_key[...], k.astype(self.cached_key.dtype), (0, start, 0, 0))
             self.cached_value[...] = jax.lax.dynamic_update_slice(
@@ -309,7 +305,7 @@ class FlexMultiHeadAttention(nnx.Module):
                              f"num_pages, or release_cache the finished sequences)")
 
         table, free, ok = paged.reserve(self.page_table[...], self.free_pages[...], start + T, page_size)
-        _require(ok, fail, start)
+        start = start + _require(ok, fail, start)
         self.page_table[...], self.free_pages[...] = table, free
         self.cached_key[...], self.cached_value[...] = paged.write(self.cached_key[...], self.cached_value[...],
                                                                   table, start, k, v)

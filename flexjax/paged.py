@@ -370,7 +370,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     if lengths.shape != (B,):
         raise ValueError(f"kv_lengths must be int32 (B={B},), got shape {lengths.shape}")
     kv_len = pt.shape[1] * ps
-    check_pages("flexjax.paged.flex_attention", pt, lengths, k_pages.shape[0], ps)
+    lengths = lengths + check_pages("flexjax.paged.flex_attention", pt, lengths, k_pages.shape[0], ps)
     scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
     # dtypes, heads and head dims, checked as for a contiguous cache of one page.
     check_qkv(query, *_logical_like(B, ps, k_pages, v_pages, query.dtype if scales else None))

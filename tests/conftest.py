@@ -50,6 +50,7 @@ settings.load_profile(os.environ.get("FLEXJAX_HYPOTHESIS", "default"))
 # cases of the same test, or the same feature's other tests.
 CI_EXTRA = frozenset({
     "tests/test_multiprocess.py::test_two_processes_match_one_process",
+    "tests/test_bare_install.py::test_entry_points_without_optional_packages",
     "tests/test_cli_demo.py::test_demo_small",
     "tests/test_flax.py::test_nnx_outputs_and_grads_match_flax",
     "tests/test_block_mask_analysis.py::test_analysis_matches_enumeration",
