@@ -244,13 +244,19 @@ def init_paged_cache(model: GPT, batch: int, max_length: int, page_size: int = 3
         block.attn.init_cache(batch, max_length, model.cfg.dtype, page_size=page_size)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def flex_step(graphdef, state, tokens):
-    """Appends ``tokens`` (B, T) to every layer's paged cache (in ``state``): (the last position's logits
-    (B, vocab), the new state)."""
-    model = nnx.merge(graphdef, state)
+def split_for_decode(model: GPT):
+    """(graphdef, cache, rest): the layers' caches apart from the weights, so that a step takes the cache
+    donated and gives back only the cache (returning the weights would copy them every step)."""
+    return nnx.split(model, nnx.Cache, ...)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def flex_step(graphdef, cache, rest, tokens):
+    """Appends ``tokens`` (B, T) to every layer's paged cache (``cache``, donated: updated in place): (the
+    last position's logits (B, vocab), the new cache)."""
+    model = nnx.merge(graphdef, cache, rest)
     logits = model(tokens, decode_attend(model.cfg))[:, -1]
-    return logits, nnx.state(model)
+    return logits, nnx.state(model, nnx.Cache)
 
 
 def jax_nn_attend(cfg: Config, caches: list, pos):
@@ -292,9 +298,10 @@ def init_contiguous_caches(model: GPT, batch: int, max_length: int) -> list:
     return [(jnp.zeros(shape, model.cfg.dtype), jnp.zeros(shape, model.cfg.dtype)) for _ in model.blocks]
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def jax_nn_step(graphdef, state, caches: list, tokens, pos):
-    """``flex_step`` on ``jax.nn.dot_product_attention``: (logits (B, vocab), caches)."""
+    """``flex_step`` on ``jax.nn.dot_product_attention``: (logits (B, vocab), caches); the caches donated,
+    as ``flex_step``'s."""
     model = nnx.merge(graphdef, state)
     caches = list(caches)
     logits = model(tokens, jax_nn_attend(model.cfg, caches, pos))[:, -1]
@@ -315,15 +322,17 @@ def generate(model: GPT, prompts: np.ndarray, new_tokens: int, *, temperature: f
     which compiles)."""
     B, P = prompts.shape
     init_paged_cache(model, B, P + new_tokens, page_size)
-    graphdef, state = nnx.split(model)
+    graphdef, cache, rest = split_for_decode(model)
     key = jax.random.key(seed)
     tokens, flex_logits, t_flex = [jnp.asarray(prompts)], [], []
     for _ in range(new_tokens):
-        (logits, state), seconds = _timed(flex_step, graphdef, state, tokens[-1])
+        (logits, cache), seconds = _timed(flex_step, graphdef, cache, rest, tokens[-1])
         key, sub = jax.random.split(key)
         tokens.append(jax.random.categorical(sub, logits / temperature)[:, None])
         flex_logits.append(logits)
         t_flex.append(seconds)
+    nnx.update(model, cache)
+    graphdef, state = nnx.split(model)
     caches, ref_logits, t_ref, pos = init_contiguous_caches(model, B, P + new_tokens), [], [], 0
     for t in range(new_tokens):
         (logits, caches), seconds = _timed(jax_nn_step, graphdef, state, caches, tokens[t], jnp.int32(pos))
@@ -344,15 +353,19 @@ def decode_speed(model: GPT, batch: int, lengths, *, steps: int = 8, page_size: 
     for length in lengths:
         prompts = jnp.asarray(np.random.default_rng(length).integers(1, 256, (batch, length - steps - 1)), jnp.int32)
         init_paged_cache(model, batch, length, page_size)
-        graphdef, state = nnx.split(model)
-        _, state = flex_step(graphdef, state, prompts)
+        graphdef, cache, rest = split_for_decode(model)
+        _, cache = flex_step(graphdef, cache, rest, prompts)
         one = prompts[:, :1]
         t_flex = []
         for _ in range(steps):
-            (_, state), seconds = _timed(flex_step, graphdef, state, one)
+            (_, cache), seconds = _timed(flex_step, graphdef, cache, rest, one)
             t_flex.append(seconds)
-        caches, pos = init_contiguous_caches(model, batch, length), jnp.int32(length - steps)
-        t_ref = [_timed(jax_nn_step, graphdef, state, caches, one, pos)[1] for _ in range(steps)]
+        nnx.update(model, cache)
+        graphdef, state = nnx.split(model)
+        caches, pos, t_ref = init_contiguous_caches(model, batch, length), jnp.int32(length - steps), []
+        for _ in range(steps):
+            (_, caches), seconds = _timed(jax_nn_step, graphdef, state, caches, one, pos)
+            t_ref.append(seconds)
         rows.append({"length": length, "flex_tokens_per_s": batch / float(np.median(t_flex[1:])),
                      "jax_nn_tokens_per_s": batch / float(np.median(t_ref[1:]))})
     return rows
