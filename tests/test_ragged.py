@@ -176,10 +176,21 @@ def test_write_and_attend_equals_write_then_attend(backend):
     ks = jax.random.split(jax.random.key(3), 2)
     k_new = jax.random.normal(ks[0], (T, HKV, D))
     v_new = jax.random.normal(ks[1], (T, HKV, D))
-    # Sequence 1 loses its only page: its token (position 0) must be dropped, not written elsewhere.
+    # Sequence 1 loses its only page: its length then reaches an unassigned page, which the call refuses
+    # (when the step runs) rather than read some page. Its token is dropped, not written elsewhere.
     table = table.at[1].set(-1)
-    out, k2, v2 = jax.jit(functools.partial(paged.write_and_attend, backend=backend))(
-        q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu)
+    fused = jax.jit(functools.partial(paged.write_and_attend, backend=backend))
+    with pytest.raises(Exception, match=r"page_table\[1, 0\] = -1 is unassigned"):
+        jax.block_until_ready(fused(q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu))
+    previous = paged.set_runtime_checks(False)  # the rest compares the write itself, unchecked
+    try:
+        out, k2, v2 = jax.jit(functools.partial(paged.write_and_attend, backend=backend))(
+            q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu)
+        # The same through flex_attention_ragged's k_new / v_new.
+        out2, k3, v3 = jax.jit(functools.partial(paged.flex_attention_ragged, backend=backend))(
+            q, k_pages, v_pages, table, KV_LENS, cu, k_new=k_new, v_new=v_new)
+    finally:
+        paged.set_runtime_checks(previous)
     # The same write through paged.write, sequence by sequence.
     k_ref, v_ref = k_pages, v_pages
     for i in range(len(KV_LENS)):
@@ -189,9 +200,6 @@ def test_write_and_attend_equals_write_then_attend(backend):
                                        k_new[None, cu[i]:cu[i + 1]], v_new[None, cu[i]:cu[i + 1]])
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(k_ref))
     np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_ref))
-    # The same through flex_attention_ragged's k_new / v_new.
-    out2, k3, v3 = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, k_new=k_new, v_new=v_new,
-                                               backend=backend)
     np.testing.assert_array_equal(np.asarray(k3), np.asarray(k_ref))
     np.testing.assert_allclose(np.asarray(out2), np.asarray(out), rtol=1e-5, atol=1e-6)
     keep = np.ones(len(KV_LENS), bool)
