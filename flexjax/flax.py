@@ -108,14 +108,6 @@ attention_fn = make_attention_fn()
 
 
 
-def _require(ok, fail, *args) -> jax.Array:
-    """Calls ``fail(*args)`` (which raises) where ``ok`` is False: eagerly at once, under jit when the step
-    runs (a clamped or dropped cache write would be a silent wrong answer). Returns an int32 0 to add into
-    the position the call goes on to use (``flexjax.paged``'s ``fail_on_host``: a pure callback behind a
-    ``lax.cond``, free while ``ok`` holds)."""
-    return fail_on_host(ok, fail, *args)
-
-
 def _check_room(start, T: int, S: int) -> jax.Array:
     """Raises when T new positions from ``start`` do not fit a contiguous cache of S."""
     def fail(at):
@@ -124,7 +116,7 @@ def _check_room(start, T: int, S: int) -> jax.Array:
 
     if T > S:
         fail(0)
-    return _require(start + T <= S, fail, start)
+    return fail_on_host(start + T <= S, fail, start)  # an int32 0, to add into the position written at
 
 
 def _decode_block_mask(user_mask, B: int, H: int, T: int, kv_len: int, block_size, start, position) -> BlockMask:
@@ -329,7 +321,7 @@ class FlexMultiHeadAttention(nnx.Module):
                              f"num_pages, or release_cache the finished sequences)")
 
         table, free, ok = paged.reserve(self.page_table[...], self.free_pages[...], start + T, page_size)
-        start = start + _require(ok, fail, start)
+        start = start + fail_on_host(ok, fail, start)
         self.page_table[...], self.free_pages[...] = table, free
         self.cached_key[...], self.cached_value[...] = paged.write(self.cached_key[...], self.cached_value[...],
                                                                   table, start, k, v)
