@@ -7,6 +7,7 @@ import functools
 import os
 
 import jax
+import jax.extend.backend
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,15 +53,30 @@ def set_runtime_checks(enabled: bool) -> bool:
 
 
 def _cross_lowering() -> bool:
-    """Lowering for a GPU or TPU from a host without one (inside ``use_abstract_mesh`` of an abstract device, no
-    concrete mesh): XLA cannot lower a host callback for a platform other than the host's."""
+    """Lowering for a platform this process has no runtime for (an AOT compile for a GPU or TPU from a host
+    without one, under a mesh of topology devices or an abstract mesh of an abstract device): XLA cannot lower
+    a host callback there, and the executable cannot run in this process anyway."""
     from jax._src import mesh as mesh_lib
 
-    mesh = jax.sharding.get_abstract_mesh()
-    device = getattr(mesh, "abstract_device", None)
     concrete = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
-    return (not mesh.empty and device is not None and getattr(device, "platform", "cpu") != "cpu"
-            and (concrete is None or concrete.empty))
+    if concrete is not None and not concrete.empty:
+        platform = concrete.devices.flat[0].platform
+    else:
+        mesh = jax.sharding.get_abstract_mesh()
+        device = getattr(mesh, "abstract_device", None)
+        if mesh.empty or device is None:
+            return False
+        platform = getattr(device, "platform", "cpu")
+    return not _has_runtime(platform)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_runtime(platform: str) -> bool:
+    try:
+        jax.extend.backend.get_backend(platform)
+    except RuntimeError:
+        return False
+    return True
 
 
 def fail_on_host(ok, fail, *args) -> jax.Array:
