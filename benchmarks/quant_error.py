@@ -14,6 +14,7 @@ library's: they add a bias or cap the score). q, k and v are standard normal.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
 def written(L: int) -> None:
     """Element errors of per-(page, head) pools filled by ``paged.write`` as a server fills them (scales
     growing, pages requantized), in steps of amax / qmax of what each page holds: the largest error, and the
-    largest final scale over that step."""
+    largest final scale over that step; without and with a ``paged.float_tail``."""
     B, HKV, D, PS = 4, 2, 128, 64
     max_pages = -(-L // PS)
     table = jnp.asarray(paged.page_table_for([L] * B, PS, max_pages))
@@ -82,25 +83,29 @@ def written(L: int) -> None:
     write = jax.jit(paged.write)
     print(f"\nPools written by paged.write, B={B} L={L} Hkv={HKV} D={D} page {PS}, standard normal k: the largest "
           "element error and the largest final scale, in steps of amax / qmax of each page and head")
-    print("| writes | dtype | max error / step | max final scale / step |")
-    print("|---|---|---|---|")
+    print("| writes | dtype | float tail | max error / step | max final scale / step |")
+    print("|---|---|---|---|---|")
     patterns = {"one token a step": [1] * L, "prefill 200, then one token a step": [200] + [1] * (L - 200),
                 "chunks of 16": [16] * (L // 16)}
     for label, sizes in patterns.items():
-        for qd, qmax in (("int8", 127.0), ("float8_e4m3fn", 448.0)):
+        for (qd, qmax), with_tail in itertools.product((("int8", 127.0), ("float8_e4m3fn", 448.0)), (False, True)):
             pages, _ = paged.allocate(int(table.max()) + 1, PS, HKV, D, getattr(jnp, qd))
             scale = jnp.zeros((pages.shape[0], HKV), jnp.float32)
+            tail = {"tail": paged.float_tail(B, pages, pages)} if with_tail else {}
             pos = 0
             for n in sizes:
-                pages, _, scale, _ = write(pages, pages, table, pos, x[:, pos:pos + n], x[:, pos:pos + n],
-                                           k_scale=scale, v_scale=scale)
+                out = write(pages, pages, table, pos, x[:, pos:pos + n], x[:, pos:pos + n], k_scale=scale,
+                            v_scale=scale, **tail)
+                pages, scale = out[0], out[2]
+                if with_tail:
+                    tail = {"tail": out[4]}
                 pos += n
             got = paged.gather(pages, table, scale)[:, :L]
             amax = jnp.abs(x).reshape(B, max_pages, PS, HKV, D).max((2, 4))  # (B, pages, Hkv)
             step = jnp.repeat(amax / qmax, PS, axis=1)[:, :L, :, None]
             err = float((jnp.abs(got - x) / step).max())
             ratio = float((scale[table] / (amax / qmax)).max())
-            print(f"| {label} | {qd} | {err:.2f} | {ratio:.2f} |")
+            print(f"| {label} | {qd} | {'yes' if with_tail else 'no'} | {err:.2f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

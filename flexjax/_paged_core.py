@@ -158,20 +158,50 @@ def _page_table(page_table, B: int | None = None) -> jax.Array:
     return pt
 
 
-def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale, runs: int | None = None):
+def _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale, runs: int | None = None,
+                 seq=None, tail=None, batch: int | None = None):
     """Tokens (N, Hkv, .) into (page[n], slot[n]) (a page past the pool drops the token);
     ``runs``: the tokens are at most that many sequences of consecutive positions (see
-    ``_quant.write_quantized``)."""
+    ``_quant.write_quantized``); ``seq``: each token's sequence (of ``batch``), for a ``FloatTail``."""
     scales = _quant.check_scales(k_pages, v_pages, k_scale, v_scale)
     if scales is None:
+        if tail is not None:
+            raise ValueError("tail is for int8 / float8_e4m3fn pools with per-(page, head) scales; these pools "
+                             f"are {k_pages.dtype}: pass no tail")
         return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
                 v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"))
     # Per-head scales stay as given (their shape too); per-page ones may grow.
     ks = k_scale if jnp.ndim(k_scale) == 1 else scales[0]
     vs = v_scale if jnp.ndim(v_scale) == 1 else scales[1]
-    k_pages, ks = _quant.write_quantized(k_pages, ks, page, slot, k_new, runs)
-    v_pages, vs = _quant.write_quantized(v_pages, vs, page, slot, v_new, runs)
-    return k_pages, v_pages, ks, vs
+    if tail is None:
+        k_pages, ks, _ = _quant.write_quantized(k_pages, ks, page, slot, k_new, runs)
+        v_pages, vs, _ = _quant.write_quantized(v_pages, vs, page, slot, v_new, runs)
+        return k_pages, v_pages, ks, vs
+    tail = check_tail(tail, k_pages, v_pages, k_scale, v_scale, batch)
+    k_pages, ks, (tk, tpk) = _quant.write_quantized(k_pages, ks, page, slot, k_new, runs, seq, (tail.k, tail.page))
+    v_pages, vs, (tv, tpv) = _quant.write_quantized(v_pages, vs, page, slot, v_new, runs, seq, (tail.v, tail.page))
+    # (The two pools' pages are quantized from their values together: a row keeps its page only where both did.)
+    return k_pages, v_pages, ks, vs, _quant.FloatTail(tk, tv, jnp.where(tpk == tpv, tpk, -1))
+
+
+def check_tail(tail, k_pages, v_pages, k_scale, v_scale, batch: int | None = None) -> _quant.FloatTail:
+    """``tail`` as a FloatTail of these pools (``paged.float_tail``), for per-(page, head) scales."""
+    if not isinstance(tail, tuple) or len(tail) != 3:
+        raise TypeError(f"tail must be a paged.FloatTail (paged.float_tail(batch, k_pages, v_pages)), got "
+                        f"{type(tail).__name__}")
+    if jnp.ndim(k_scale) != 2 or jnp.ndim(v_scale) != 2:
+        raise ValueError("tail goes with per-(page, head) scales, float32 (num_pages, Hkv); per-head scales are "
+                         "fixed and need none: pass no tail")
+    k, v, pg = (jnp.asarray(x) for x in tail)
+    B = pg.shape[0] if pg.ndim == 1 else None
+    want_k = (B, *k_pages.shape[1:])
+    want_v = (B, *v_pages.shape[1:])
+    if (B is None or (batch is not None and B != batch) or k.shape != want_k or v.shape != want_v
+            or k.dtype != jnp.float32 or v.dtype != jnp.float32 or not jnp.issubdtype(pg.dtype, jnp.integer)):
+        raise ValueError(f"tail must be paged.float_tail(batch{'' if batch is None else f'={batch}'}, k_pages, "
+                         f"v_pages): float32 k {want_k}, v {want_v} and int32 page (batch,), got k "
+                         f"{k.dtype}{k.shape}, v {v.dtype}{v.shape}, page {pg.dtype}{pg.shape}")
+    return _quant.FloatTail(k, v, pg.astype(jnp.int32))
 
 
 def gather(pages, page_table, scale=None) -> jax.Array:

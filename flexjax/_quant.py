@@ -7,18 +7,23 @@ fixed: new tokens past ``127 * scale`` are clipped) or ``(num_pages, Hkv)`` (one
 and head, 0 for a page never written: ``write`` raises a page's scale when a new token needs
 it, requantizing the page's earlier tokens).
 
-A page's scale grows only by factors that make requantization exact (``grow``): odd integers
-for int8, whose grid of the new scale is then a union of whole cells of the old one, so
-rounding a code again gives what rounding the original value once would; powers of two for
-float8_e4m3fn, which only shift its exponent. Every element is therefore its value quantized
-once with its page's final scale, whatever the order and size of the writes: int8 within half
-a step (``scale / 2``), float8 within ``2**-4`` of its magnitude (3 mantissa bits; plus half
-its subnormal spacing, ``2**-10 * scale``). The price: a page's final scale is at most 3x
-(int8) or 2x (float8) its ``amax / qmax``, so an int8 element stays within 1.5 steps of
-``amax / 127``.
+With a ``FloatTail`` (each sequence's newest page kept in float32), ``write`` quantizes every page
+it touches from its values: the page's scale is its content's ``amax / qmax`` and each element is
+within half a step of it (int8), or ``2**-4`` of its magnitude (float8_e4m3fn, 3 mantissa bits;
+plus half its subnormal spacing, ``2**-10 * scale``).
+
+Without one (and for a page the sequence has left), a page's scale grows only by factors that make
+requantization exact (``grow``): odd integers for int8, whose grid of the new scale is then a union
+of whole cells of the old one, so rounding a code again gives what rounding the original value once
+would; powers of two for float8_e4m3fn, which only shift its exponent. Every element is therefore its
+value quantized once with its page's final scale, whatever the order and size of the writes, within
+the bounds above of that scale; but a page's final scale is then up to 3x (int8) or 2x (float8) its
+``amax / qmax``, so an int8 element stays within 1.5 steps of ``amax / 127``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,36 +123,97 @@ def grow(scale, need, dtype):
     return jnp.where(fresh, jnp.maximum(need, 0.0), scale * factor), factor
 
 
-def write_quantized(pages, scale, page, slot, new, runs: int | None = None):
+class FloatTail(NamedTuple):
+    """The float32 content of each sequence's newest page, beside a quantized pool with per-(page, head)
+    scales (``flexjax.paged.float_tail`` makes one; ``write``, ``write_and_attend`` and ``release`` take
+    and return it). A page is quantized from these exact values at every write, so its scale is always
+    its content's ``amax / qmax`` and each element is its value quantized once; when the sequence moves
+    to its next page, the page left behind is final.
+
+    k, v: float32 (B, page_size, kv_heads, head_dim / v_head_dim); page: int32 (B,), the physical page
+    each row holds (-1: none).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    page: jax.Array
+
+
+def new_tail(batch: int, k_pages, v_pages) -> FloatTail:
+    ps = k_pages.shape[1]
+    return FloatTail(jnp.zeros((batch, ps) + k_pages.shape[2:], jnp.float32),
+                     jnp.zeros((batch, ps) + v_pages.shape[2:], jnp.float32),
+                     jnp.full((batch,), -1, jnp.int32))
+
+
+def write_quantized(pages, scale, page, slot, new, runs: int | None = None, seq=None, tail=None):
     """``pages`` with ``new`` (N, Hkv, D) written at (page[n], slot[n]) (a page index past the
-    pool drops the token), quantized; returns (pages, scale). Per-head scales clip; per-page
-    scales grow to hold the new tokens, the written pages' earlier tokens requantized.
+    pool drops the token), quantized; returns (pages, scale, tail). Per-head scales clip; with
+    per-page scales every page written is quantized again:
+
+    - exactly, from its float values, where they are known: a page never written (scale 0), or the
+      page ``tail`` (``(values (B, page_size, Hkv, D), page (B,))``) holds for the token's sequence
+      ``seq[n]``: the page's scale becomes its content's amax / qmax;
+    - else by ``grow``: the scale grows by an exact factor where a new token needs it, the page's
+      earlier codes divided by it.
+
+    The new tail holds, for each sequence written, the page of its last token, when that page was
+    quantized from its values (else none: -1).
 
     ``runs``: when the tokens come as at most ``runs`` sequences of consecutive positions
     (each then touches at most ``n // page_size + 2`` pages, in one run each), only those
-    pages are read back for the requantization; None reads one page per token.
+    pages are read back; None reads one page per token.
     """
     dtype = pages.dtype
     new = new.astype(jnp.float32)
     scale = jnp.asarray(scale, jnp.float32)
     if scale.ndim == 1:
         q = _to_q(new / scale[None, :, None], dtype)
-        return pages.at[page, slot].set(q, mode="drop"), scale
+        return pages.at[page, slot].set(q, mode="drop"), scale, tail
     num_pages, ps = pages.shape[:2]
     N = page.shape[0]
-    need = jnp.zeros_like(scale).at[page].max(jnp.max(jnp.abs(new), axis=-1) / qmax(dtype), mode="drop")
-    grown, factor = grow(scale, need, dtype)
-    # The pages written, one entry per run of tokens in one page (a page index past the pool:
-    # none), read back and requantized where their scale grew.
-    first = jnp.concatenate([jnp.ones((1,), bool), page[1:] != page[:-1]]) & (page < num_pages)
+    valid = page < num_pages
+    # The pages written, one entry per run of tokens in one page (a page index past the pool: none).
+    first = jnp.concatenate([jnp.ones((1,), bool), page[1:] != page[:-1]]) & valid
     M = N if runs is None else min(N, N // ps + 2 * runs + 2)
     at = jnp.nonzero(first, size=M, fill_value=N)[0]
     touched = jnp.where(at < N, page[jnp.clip(at, 0, N - 1)], num_pages)
     safe = jnp.clip(touched, 0, num_pages - 1)
-    # Divided by the exact factor (not multiplied by a rounded old / new ratio): the nesting argument needs
-    # round(code / m) itself.
-    pages = pages.at[touched].set(_to_q(pages[safe].astype(jnp.float32) / factor[safe][:, None, :, None], dtype),
-                                  mode="drop")
-    gt = grown[jnp.clip(page, 0, num_pages - 1)]
-    q = _to_q(new / jnp.where(gt > 0, gt, 1.0)[:, :, None], dtype)
-    return pages.at[page, slot].set(q, mode="drop"), grown
+    run = jnp.where(valid, jnp.cumsum(first) - 1, M)  # each token's entry in ``touched`` (M: dropped)
+    codes = pages[safe].astype(jnp.float32)  # (M, ps, Hkv, D)
+    s_old = scale[safe]  # (M, Hkv)
+    fresh = s_old <= 0
+    from_tail = jnp.zeros((M,), bool)
+    base = jnp.where(fresh[:, None, :, None], 0.0, codes * s_old[:, None, :, None])
+    if tail is not None:
+        t_values, t_page = tail
+        t_seq = seq[jnp.clip(at, 0, N - 1)]
+        from_tail = (at < N) & (t_page[t_seq] == touched) & jnp.any(~fresh, axis=-1)
+        base = jnp.where(from_tail[:, None, None, None], t_values[t_seq], base)
+    exact = from_tail[:, None] | fresh  # (M, Hkv): quantized from its values
+    # Exactly: the content's values, the scale their amax / qmax.
+    content = base.at[run, slot].set(new, mode="drop")
+    tight = jnp.max(jnp.abs(content), axis=(1, 3)) / qmax(dtype)
+    q_tight = _to_q(content / jnp.where(tight > 0, tight, 1.0)[:, None, :, None], dtype)
+    # Else grown by an exact factor, the earlier codes divided by it (not multiplied by a rounded old / new
+    # ratio: the nesting argument needs round(code / m) itself).
+    need = jnp.zeros_like(s_old).at[run].max(jnp.max(jnp.abs(new), axis=-1) / qmax(dtype), mode="drop")
+    grown, factor = grow(s_old, need, dtype)
+    q_grown = _to_q(codes / factor[:, None, :, None], dtype)
+    g = grown[jnp.clip(run, 0, M - 1)]
+    q_grown = q_grown.at[run, slot].set(_to_q(new / jnp.where(g > 0, g, 1.0)[:, :, None], dtype), mode="drop")
+    q = jnp.where(exact[:, None, :, None], q_tight, q_grown)
+    pages = pages.at[touched].set(q, mode="drop")
+    scale = scale.at[touched].set(jnp.where(exact, tight, grown), mode="drop")
+    if tail is not None:
+        B = t_page.shape[0]
+        last = jnp.full((B,), -1, jnp.int32).at[jnp.where(valid, seq, B)].max(jnp.arange(N, dtype=jnp.int32),
+                                                                           mode="drop")
+        r = run[jnp.clip(last, 0, N - 1)]
+        r = jnp.clip(r, 0, M - 1)
+        wrote = last >= 0
+        keep = jnp.all(exact[r], axis=-1)
+        t_page = jnp.where(wrote, jnp.where(keep, touched[r], -1), t_page)
+        t_values = jnp.where(wrote[:, None, None, None], content[r], t_values)
+        tail = (t_values, t_page)
+    return pages, scale, tail

@@ -321,7 +321,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
 
 
 def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, *, k_scale=None,
-                     v_scale=None, **kwargs):
+                     v_scale=None, tail=None, **kwargs):
     """Writes the new tokens' K/V into their pages and attends, in one call.
 
     ``k_new`` / ``v_new`` are (T, Hkv, D / Dv), packed as ``query``: token
@@ -336,7 +336,9 @@ def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengt
 
     Quantized pools take ``k_scale`` / ``v_scale`` (as ``flexjax.paged.write``): the new
     tokens are quantized as they are written, and ``(out, k_pages, v_pages, k_scale,
-    v_scale)`` comes back (per-page scales may have grown).
+    v_scale)`` comes back (per-page scales may have grown); with ``tail`` (a
+    ``paged.float_tail(num_seqs, k_pages, v_pages)``), pages are quantized from their values and
+    the new tail comes back last (``flexjax.paged.write``).
     """
     k_new, v_new = jnp.asarray(k_new), jnp.asarray(v_new)
     T = query.shape[0] if hasattr(query, "shape") and query.ndim == 3 else None
@@ -361,8 +363,9 @@ def write_and_attend(query, k_new, v_new, k_pages, v_pages, page_table, kv_lengt
     page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # dropped
     slot = pos % ps
     # (Each sequence's tokens are consecutive positions, the padding one more run.)
-    written = _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale, runs=S + 1)
+    written = _write_slots(k_pages, v_pages, page, slot, k_new, v_new, k_scale, v_scale, runs=S + 1, seq=s,
+                           tail=tail, batch=S)
     k_pages, v_pages = written[:2]
-    scales = dict(zip(("k_scale", "v_scale"), written[2:]))
+    scales = dict(zip(("k_scale", "v_scale"), written[2:4]))
     out = flex_attention_ragged(query, k_pages, v_pages, pt, lengths, cu, **scales, **kwargs)
     return (out, *written)

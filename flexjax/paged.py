@@ -50,7 +50,7 @@ from ._paged_core import (  # noqa: F401
     paged_reason,
     set_runtime_checks,
 )
-from ._quant import dequantize, quantize  # noqa: F401 (public here)
+from ._quant import FloatTail, dequantize, quantize  # noqa: F401 (public here)
 from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
 from .backends import get_backend
@@ -161,7 +161,7 @@ def reserve(page_table, free_pages, new_lengths, page_size: int):
     return new_pt, new_free, ok
 
 
-def release(page_table, free_pages, done, *, k_scale=None, v_scale=None):
+def release(page_table, free_pages, done, *, k_scale=None, v_scale=None, tail=None):
     """Frees the pages of the sequences where ``done`` is True and marks their table rows
     unassigned (-1); jit-able. Returns ``(page_table, free_pages)``, or with the per-(page, head)
     scales of a quantized pool ``(page_table, free_pages, k_scale, v_scale)``, the freed pages'
@@ -175,6 +175,7 @@ def release(page_table, free_pages, done, *, k_scale=None, v_scale=None):
       done: bool (B,).
       k_scale, v_scale: float32 (num_pages, Hkv), a quantized pool's scales (``write``'s); pass both
         or neither.
+      tail: the pools' ``FloatTail``; comes back last, the done sequences' rows cleared.
     """
     pt = _page_table(page_table)
     free = _free_map(free_pages)
@@ -186,6 +187,8 @@ def release(page_table, free_pages, done, *, k_scale=None, v_scale=None):
     new_free = free.at[freed].set(True, mode="drop")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("release: pass k_scale and v_scale together (a quantized pool's scales), or neither")
+    if tail is not None and k_scale is None:
+        raise ValueError("release: a tail goes with the pool's k_scale and v_scale; pass them too")
     if k_scale is None:
         return jnp.where(done[:, None], -1, pt), new_free
     scales = []
@@ -195,18 +198,28 @@ def release(page_table, free_pages, done, *, k_scale=None, v_scale=None):
             raise ValueError(f"release: {name} must be the per-(page, head) scales, float32 (num_pages="
                              f"{free.shape[0]}, Hkv), got shape {scale.shape}")
         scales.append(scale.at[freed].set(0.0, mode="drop"))
-    return jnp.where(done[:, None], -1, pt), new_free, *scales
+    if tail is None:
+        return jnp.where(done[:, None], -1, pt), new_free, *scales
+    if not isinstance(tail, tuple) or len(tail) != 3 or jnp.shape(tail[2]) != (pt.shape[0],):
+        raise ValueError(f"release: tail must be the pools' paged.FloatTail for B={pt.shape[0]} sequences")
+    tail = FloatTail(tail[0], tail[1], jnp.where(done, -1, jnp.asarray(tail[2], jnp.int32)))
+    return jnp.where(done[:, None], -1, pt), new_free, *scales, tail
 
 
-def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None, v_scale=None):
+def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None, v_scale=None, tail=None):
     """Writes new tokens into the pools; returns the updated ``(k_pages, v_pages)``, or
-    ``(k_pages, v_pages, k_scale, v_scale)`` for quantized pools.
+    ``(k_pages, v_pages, k_scale, v_scale)`` for quantized pools (and the new ``tail`` last
+    where one is given).
 
     Functional and jit-able (donate the pools for an in-place update). Quantized pools
     (int8 / float8_e4m3fn, see ``quantize``) take their scales: per kv head ``(Hkv,)``, the
     new tokens are quantized with them (clipped past ``qmax * scale``); per (page, kv head)
     ``(num_pages, Hkv)``, a page's scale grows where a new token needs it (its earlier
-    tokens requantized) and the new scales come back.
+    tokens requantized) and the new scales come back. Pass ``tail=float_tail(B, k_pages,
+    v_pages)`` (and carry the one that comes back) to keep each sequence's newest page in
+    float32 beside the pool: pages are then quantized from their values, each element within
+    half a step of its page's ``amax / qmax`` whatever the order and size of the writes
+    (without it: half a step of a scale that may reach 3x that; docs/decoding.md).
 
     Args:
       k_pages, v_pages: (num_pages, page_size, kv_heads, head_dim / v_head_dim).
@@ -235,8 +248,21 @@ def write(k_pages, v_pages, page_table, positions, k_new, v_new, *, k_scale=None
     page = jnp.take_along_axis(pt, jnp.clip(logical // ps, 0, pt.shape[1] - 1), axis=1)
     page = jnp.where(inside & (page >= 0), page, k_pages.shape[0])  # past the pool: the update is dropped
     slot = logical % ps
+    seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
     return _write_slots(k_pages, v_pages, page.reshape(-1), slot.reshape(-1), k_new.reshape(-1, *k_new.shape[2:]),
-                        v_new.reshape(-1, *v_new.shape[2:]), k_scale, v_scale, runs=B)
+                        v_new.reshape(-1, *v_new.shape[2:]), k_scale, v_scale, runs=B, seq=seq, tail=tail, batch=B)
+
+
+def float_tail(batch: int, k_pages, v_pages) -> FloatTail:
+    """An empty ``FloatTail`` for ``batch`` sequences over these quantized pools: each sequence's
+    newest page kept in float32 (``batch x page_size x kv_heads x (head_dim + v_head_dim) x 4``
+    bytes), so that ``write`` / ``write_and_attend`` quantize every page from its values. Carry it
+    through the step as the pools and scales; ``release`` clears a finished sequence's row."""
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if not (_quant.is_quantized(k_pages.dtype) and _quant.is_quantized(v_pages.dtype)):
+        raise ValueError(f"float_tail is for int8 / float8_e4m3fn pools, got {k_pages.dtype} / {v_pages.dtype}")
+    return _quant.new_tail(int(batch), k_pages, v_pages)
 
 
 def _with_lengths(bm: BlockMask, kv_lengths, B: int):

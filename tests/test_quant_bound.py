@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,3 +97,142 @@ def test_released_pages_start_a_new_scale():
     small = jnp.asarray(np.random.default_rng(0).standard_normal((1, PAGE, HKV, D)), jnp.float32)
     k_pages, v_pages, ks, vs = paged.write(k_pages, v_pages, table[1:], 0, small, small, k_scale=ks, v_scale=vs)
     np.testing.assert_allclose(np.asarray(ks[page]), np.abs(np.asarray(small[0])).max((0, 2)) / 127.0, rtol=1e-6)
+
+
+# -- with a FloatTail: every page quantized from its values -------------------------------------------------------
+
+def _run_tail(dtype, writes, seed, rollback=False):
+    """Appends per sequence, in random sizes, the two sequences interleaved in any order; ``rollback``: a write
+    may first step back (speculative tokens rejected) within the sequence's newest page and write over them.
+    (Rewriting a page the sequence has left is ``grow``'s: test_int8_pages_within_half_a_step_of_their_final_scale.)"""
+    rng = np.random.default_rng(seed)
+    table = np.array([[0, 2, 4, 6], [1, 3, 5, 7]], np.int32)
+    k_pages, v_pages = paged.allocate(NUM_PAGES, PAGE, HKV, D, getattr(jnp, dtype))
+    k_scale = v_scale = jnp.zeros((NUM_PAGES, HKV), jnp.float32)
+    tail = paged.float_tail(1, k_pages, v_pages)
+    tails = [tail, tail]
+    truth = np.zeros((2, MAXP * PAGE, HKV, D), np.float32)
+    length = [0, 0]
+    for b, back, n, magnitude in writes:
+        newest = (length[b] - 1) % PAGE + 1 if length[b] else 0  # tokens in the newest page
+        start = length[b] - (min(back, newest) if rollback else 0)
+        n = min(n, MAXP * PAGE - start)
+        if n <= 0:
+            continue
+        x = (rng.standard_normal((1, n, HKV, D)) * magnitude).astype(np.float32)
+        k_pages, v_pages, k_scale, v_scale, tails[b] = _write(
+            k_pages, v_pages, jnp.asarray(table[b:b + 1]), start, jnp.asarray(x), jnp.asarray(x), k_scale=k_scale,
+            v_scale=v_scale, tail=tails[b])
+        truth[b, start:start + n] = x[0]  # (tokens past the new length stay in the page, unread)
+        length[b] = start + n
+    for pages, scale in ((k_pages, k_scale), (v_pages, v_scale)):
+        got = np.asarray(gather(pages, jnp.asarray(table), scale))
+        s = np.asarray(scale)
+        # The page's amax / qmax, from what it holds: one step of the issue's bound, which this keeps to half.
+        held = np.abs(truth).reshape(2, MAXP, PAGE, HKV, D).max((2, 4))  # (2, MAXP, HKV)
+        step = held[:, :, None, :, None].repeat(PAGE, 2).reshape(2, MAXP * PAGE, HKV, 1) / QMAX[dtype]
+        written = np.arange(MAXP * PAGE)[None, :] < np.array(length)[:, None]
+        err = np.abs(got - truth)[written]
+        if dtype == "int8":
+            assert np.all(err <= step[written] / 2 * (1 + 1e-5) + 1e-30), (err / step[written]).max()
+            # and the scales are exactly amax / 127 of what each page holds
+            np.testing.assert_allclose(s[table][held > 0], held[held > 0] / 127.0, rtol=1e-6)
+        else:
+            x = np.abs(truth)[written]
+            assert np.all(err <= 2.0 ** -4 * x + 2.0 ** -10 * step[written] * (1 + 1e-5) + 1e-30), err.max()
+
+
+APPEND = st.tuples(st.integers(0, 1), st.integers(0, PAGE), st.sampled_from([1, 2, 3, 5, 8, 13]),
+                   st.sampled_from([0.01, 0.3, 1.0, 1.05, 1.1, 1.3, 2.0, 5.0, 40.0]))
+
+
+@pytest.mark.ci_extra  # (make test-extra: kept out of make test's 5 minutes)
+@settings(deadline=None)
+@given(writes=st.lists(APPEND, min_size=1, max_size=14), seed=st.integers(0, 2 ** 16), rollback=st.booleans())
+def test_int8_pages_with_a_tail_within_half_a_step_of_their_amax(writes, seed, rollback):
+    _run_tail("int8", writes, seed, rollback)
+
+
+@pytest.mark.ci_extra  # (make test-extra: kept out of make test's 5 minutes)
+@settings(deadline=None)
+@given(writes=st.lists(APPEND, min_size=1, max_size=14), seed=st.integers(0, 2 ** 16), rollback=st.booleans())
+def test_float8_pages_with_a_tail_within_their_mantissa(writes, seed, rollback):
+    _run_tail("float8_e4m3fn", writes, seed, rollback)
+
+
+def test_tail_single_token_writes_of_growing_magnitude():
+    """The README loop's case: single-token writes, each a little larger; without a tail the int8 error reaches
+    1.5 steps of amax / 127 (benchmarks/quant_error.py), with it half a step."""
+    writes = [(0, 0, 1, 1.0 + 0.05 * t) for t in range(3 * PAGE)]
+    for dtype in ("int8", "float8_e4m3fn"):
+        _run_tail(dtype, writes, seed=0)
+
+
+@pytest.mark.ci_extra  # (make test-extra: kept out of make test's 5 minutes)
+def test_write_and_attend_with_a_tail_matches_write():
+    """write_and_attend carries the tail as write does: the same pools, scales and tail for the same tokens, and
+    the ragged mixed batch's pages quantized from their values."""
+    S, T = 2, 6
+    table = jnp.asarray([[0, 2, 4, 6], [1, 3, 5, 7]], jnp.int32)
+    k_pages, v_pages = paged.allocate(NUM_PAGES, PAGE, HKV, D, jnp.int8)
+    scale = jnp.zeros((NUM_PAGES, HKV), jnp.float32)
+    tail = paged.float_tail(S, k_pages, v_pages)
+    rng = np.random.default_rng(3)
+    lens = np.zeros(S, np.int32)
+    wa = jax.jit(lambda *a, **kw: paged.write_and_attend(*a, **kw))
+    state_a = (k_pages, v_pages, scale, scale, tail)
+    state_b = state_a
+    for q_lens in ([5, 1], [1, 1], [3, 3], [1, 5]):
+        q_lens = np.array(q_lens, np.int32)
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        lens = lens + q_lens
+        x = rng.standard_normal((T + 6, HKV, D)).astype(np.float32)[:cu[-1]] * rng.choice([0.5, 3.0])
+        x = np.concatenate([x, np.zeros((T + 6 - cu[-1], HKV, D), np.float32)])
+        q = jnp.asarray(rng.standard_normal((T + 6, 4, D)), jnp.float32)
+        kp, vp, ks, vs, tl = state_a
+        out, *state_a = wa(q, x, x, kp, vp, table, lens, cu, k_scale=ks, v_scale=vs, tail=tl)
+        kp, vp, ks, vs, tl = state_b
+        for b in range(S):  # the same tokens, one write per sequence
+            seq_x = x[cu[b]:cu[b + 1]][None]
+            kp, vp, ks, vs, tb = _write(kp, vp, table[b:b + 1], lens[b] - q_lens[b], seq_x, seq_x, k_scale=ks,
+                                             v_scale=vs, tail=paged.FloatTail(tl.k[b:b + 1], tl.v[b:b + 1],
+                                                                              tl.page[b:b + 1]))
+            tl = paged.FloatTail(tl.k.at[b].set(tb.k[0]), tl.v.at[b].set(tb.v[0]), tl.page.at[b].set(tb.page[0]))
+        state_b = (kp, vp, ks, vs, tl)
+        for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # the attention read the written pages
+        ref = jax.jit(paged.flex_attention_ragged)(q, state_a[0], state_a[1], table, lens, cu, k_scale=state_a[2],
+                                          v_scale=state_a[3])
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert tuple(np.asarray(state_a[4].page)) == (int(table[0, (lens[0] - 1) // PAGE]),
+                                                 int(table[1, (lens[1] - 1) // PAGE]))
+
+
+def test_release_clears_the_tail_rows_and_bad_tails_are_refused():
+    k_pages, v_pages = paged.allocate(NUM_PAGES, PAGE, HKV, D, jnp.int8)
+    scale = jnp.zeros((NUM_PAGES, HKV), jnp.float32)
+    table = jnp.asarray([[0, 2, 4, 6], [1, 3, 5, 7]], jnp.int32)
+    tail = paged.float_tail(2, k_pages, v_pages)
+    x = jnp.ones((2, 3, HKV, D))
+    k_pages, v_pages, ks, vs, tail = paged.write(k_pages, v_pages, table, 0, x, x, k_scale=scale, v_scale=scale,
+                                                 tail=tail)
+    assert tuple(np.asarray(tail.page)) == (0, 1)
+    free = jnp.zeros(NUM_PAGES, bool)
+    table2, free, ks, vs, tail2 = paged.release(table, free, jnp.array([True, False]), k_scale=ks, v_scale=vs,
+                                                tail=tail)
+    assert tuple(np.asarray(tail2.page)) == (-1, 1)
+    f_pages, _ = paged.allocate(NUM_PAGES, PAGE, HKV, D)
+    with pytest.raises(ValueError, match="float_tail is for int8"):
+        paged.float_tail(2, f_pages, f_pages)
+    with pytest.raises(ValueError, match="tail is for int8"):
+        paged.write(f_pages, f_pages, table, 0, x, x, tail=tail)
+    with pytest.raises(ValueError, match="per-head scales"):
+        paged.write(k_pages, v_pages, table, 0, x, x, k_scale=jnp.ones(HKV), v_scale=jnp.ones(HKV), tail=tail)
+    with pytest.raises(ValueError, match=r"tail must be paged.float_tail\(batch=2"):
+        paged.write(k_pages, v_pages, table, 0, x, x, k_scale=ks, v_scale=vs,
+                    tail=paged.float_tail(3, k_pages, v_pages))
+    with pytest.raises(TypeError, match="tail must be a paged.FloatTail"):
+        paged.write(k_pages, v_pages, table, 0, x, x, k_scale=ks, v_scale=vs, tail=tail.k)
+    with pytest.raises(ValueError, match="release: a tail goes with"):
+        paged.release(table, free, jnp.array([True, False]), tail=tail)
