@@ -70,7 +70,7 @@ def _cross_lowering() -> bool:
     return not _has_runtime(platform)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_runtime(platform: str) -> bool:
     try:
         jax.extend.backend.get_backend(platform)
