@@ -3,6 +3,7 @@ checks, the logical cache a pool stands for, token writes, and the autodiff of a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -50,6 +51,19 @@ def set_runtime_checks(enabled: bool) -> bool:
     global RUNTIME_CHECKS
     previous, RUNTIME_CHECKS = RUNTIME_CHECKS, bool(enabled)
     return previous
+
+
+@contextlib.contextmanager
+def built_here():
+    """Traced page tables and lengths built by the caller itself (the Flax layer's ``reserve`` and its own checked
+    lengths) skip the run-time check inside: they are right by construction, and a decode step saves a
+    conditional a layer."""
+    global RUNTIME_CHECKS
+    previous, RUNTIME_CHECKS = RUNTIME_CHECKS, False
+    try:
+        yield
+    finally:
+        RUNTIME_CHECKS = previous
 
 
 def _cross_lowering() -> bool:

@@ -8,6 +8,8 @@ statistics are checked (train vs eval differ, eval is deterministic).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,3 +246,38 @@ def test_flex_layer_paged_cache_shares_its_pool_and_raises_past_it():
         layer.init_cache(B, T, num_pages=4)
     with pytest.raises(ValueError, match="num_sinks"):
         _layer(num_sinks=-1)
+
+
+@pytest.mark.parametrize("paging", [{}, {"page_size": 8}], ids=["contiguous", "paged"])
+def test_flex_layer_bfloat16_cache_is_written_in_place_on_cpu(paging):
+    """A bfloat16 decode cache on CPU is held as its uint16 bits (``cache_dtype`` says bfloat16): XLA:CPU
+    converts a bfloat16 buffer to float32 and back around every scatter or dynamic_update_slice into it, the
+    whole cache each step; the compiled decode step has no float32 copy of the cache, and decodes as a
+    float32 cache holding the same bfloat16 values does."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the uint16 storage is CPU's")
+    layer, x = _alibi_sinks_layer(), _x()
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        layer.init_cache(B, T, dtype, **paging)
+        assert layer.cache_dtype == jnp.dtype(dtype)
+        outs[dtype] = [step(layer, x[:, t:t + 4].astype(jnp.bfloat16).astype(jnp.float32)) for t in range(0, T, 4)]
+    assert layer.cached_key.dtype == jnp.uint16
+    for a, b in zip(outs[jnp.float32], outs[jnp.bfloat16]):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-2)  # (the keys rounded to bfloat16)
+    # A bfloat16 model's step (a float32 one converts the cache to its dtype to attend, as it must).
+    layer = flexjax.flax.FlexMultiHeadAttention(N, F, num_kv_heads=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer.init_cache(B, T, jnp.bfloat16, **paging)
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def one(state, x):
+        m = nnx.merge(graphdef, state)
+        return m(x, decode=True), nnx.state(m)
+
+    hlo = one.lower(state, x[:, :1].astype(jnp.bfloat16)).compile().as_text()
+    shape = ",".join(str(n) for n in layer.cached_key.shape)
+    widened = [ln for ln in hlo.splitlines() if re.search(rf"= f32\[{shape}\]", ln)
+               and re.search(r"scatter|dynamic-update-slice|dynamic_update_slice", ln)]
+    assert not widened, widened  # (the write in float32: the whole cache converted and back)
