@@ -434,7 +434,8 @@ def main(argv=None) -> int:
     err, agree = logits_agree(out["flex_logits"], out["jax_nn_logits"], cfg.dtype)
     for row in out["tokens"]:
         print(repr(text(row)))
-    print(f"decode, batch {args.prompts}: flexjax paged cache {out['flex_tokens_per_s']:.0f} tokens/s, "
+    print(f"decode, batch {args.prompts}, {prompts.shape[1] + args.new_tokens} cached tokens: flexjax paged cache "
+          f"{out['flex_tokens_per_s']:.0f} tokens/s, "
           f"jax.nn.dot_product_attention (contiguous cache) {out['jax_nn_tokens_per_s']:.0f} tokens/s "
           f"({out['flex_tokens_per_s'] / out['jax_nn_tokens_per_s']:.2f}x; median steps, alternating); "
           f"max |logits difference| {err:.3g} ({'within' if agree else 'NOT within'} {args.dtype} tolerance)")
