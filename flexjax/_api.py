@@ -27,7 +27,15 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
     results,
 )
 from ._trace import trace_mod
-from .backends import available_backends, get_backend, implementations, kernel_option_names, platform_backends
+from .backends import (
+    available_backends,
+    current_platform,
+    for_platform,
+    get_backend,
+    implementations,
+    kernel_option_names,
+    platform_backends,
+)
 from .backends._common import acc_dtype
 from .backends._contract import Implementation, TileLists, first_serving
 
@@ -60,7 +68,7 @@ def _options_tuple(kernel_options, backend) -> tuple:
             raise ValueError(f"unknown kernel_options key {k!r}; the backends take {listing}")
         if not any(name in takers for name in candidates):
             chosen = f"backend={backend!r}" if backend is not None else (
-                f"backend=None (which picks from {list(candidates)} on {jax.default_backend()})")
+                f"backend=None (which picks from {list(candidates)} on {current_platform()})")
             raise ValueError(
                 f"kernel_options key {k!r} is taken by backend {_and(takers)}, not by {chosen}; "
                 f"pass backend={takers[0]!r} or drop the key. The backends take {listing}")
@@ -254,7 +262,7 @@ class Explanation:
 def explain(query: jax.Array, key: jax.Array, value: jax.Array, score_mod: Callable | None = None,
             block_mask: BlockMask | None = None, *, scale: float | None = None, dropout_rate: float = 0.0,
             dropout_rng: jax.Array | None = None, backend: str | None = None,
-            kernel_options: dict | None = None) -> Explanation:
+            kernel_options: dict | None = None, platform: str | None = None) -> Explanation:
     """What ``flex_attention`` with these arguments would run, without running it.
 
     Takes ``flex_attention``'s arguments (arrays or ``jax.ShapeDtypeStruct``s) and returns an
@@ -262,7 +270,19 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, score_mod: Calla
     the reason each backend or implementation tried before it was passed over (the same
     reasons ``backend=None`` warns with). ``print(flexjax.explain(...))`` reads as a report.
     Raises what ``flex_attention`` raises for invalid arguments or an unservable call.
+
+    ``platform`` ("cpu", "gpu" / "cuda", "tpu"; None: JAX's default backend) asks what would
+    run there, from any host: the backends choose and resolve their options as on that
+    platform (a GPU without one to ask is compute capability 9.0 unless
+    ``kernel_options["compute_capability"]`` says otherwise).
     """
+    with for_platform(platform):
+        return _explain(query, key, value, score_mod, block_mask, scale, dropout_rate, dropout_rng, backend,
+                        kernel_options)
+
+
+def _explain(query, key, value, score_mod, block_mask, scale, dropout_rate, dropout_rng, backend,
+             kernel_options) -> Explanation:
     check_qkv(query, key, value)
     rate = _dropout.check_rate(dropout_rate)
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None

@@ -4,8 +4,10 @@ checks, the logical cache a pool stands for, token writes, and the autodiff of a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
+import warnings
 
 import jax
 import jax.extend.backend
@@ -17,15 +19,101 @@ from ._factory import int_array
 from .backends import available_backends, get_backend
 
 
+def serves_paged(impl) -> bool:
+    """Whether backend module ``impl`` declares a paged path (``_contract.PagedBackend``)."""
+    from .backends._contract import PagedBackend
+
+    return isinstance(impl, PagedBackend)
+
+
 def check_backend(caller: str, backend, kernel_options) -> None:
-    """A named backend must have a paged path; kernel_options go with pallas or triton only."""
-    paged_backends = tuple(n for n in available_backends() if hasattr(get_backend(n), "paged_forward"))
+    """A named backend must have a paged path; kernel_options keys must be some backend's (the chooser then
+    takes only the backends that take them)."""
+    paged_backends = tuple(n for n in available_backends() if serves_paged(get_backend(n)))
     if backend is not None and backend not in paged_backends:
         raise NotImplementedError(f"{caller} has paths on the {', '.join(paged_backends)} backends; got "
                                   f"backend={backend!r}: pass backend=None or one of {paged_backends}")
-    if kernel_options and backend not in ("pallas", "triton"):
-        raise ValueError(f"{caller} takes kernel_options with backend='pallas' or 'triton' only, got "
-                         f"{sorted(kernel_options)}")
+    from ._api import _options_tuple
+
+    _options_tuple(kernel_options, backend)
+
+
+class _Chosen(Exception):
+    """Raised by ``choose_paged`` under ``explaining()``: the backend a paged call would run, before it runs."""
+
+    def __init__(self, name: str, skipped: list, forward: str):
+        super().__init__(name)
+        self.name, self.skipped, self.forward = name, skipped, forward
+
+
+_EXPLAINING = contextvars.ContextVar("flexjax_paged_explaining", default=False)
+
+
+@contextlib.contextmanager
+def explaining():
+    """Within it, a paged call stops at its backend choice, raising ``_Chosen``."""
+    token = _EXPLAINING.set(True)
+    try:
+        yield
+    finally:
+        _EXPLAINING.reset(token)
+
+
+def forward_name(name: str, spec, q, k_pages, v_pages, score_consts, mask_consts) -> str:
+    """The implementation backend ``name``'s paged forward runs for this call (its ``PAGED_FORWARD``)."""
+    from .backends._contract import first_serving
+
+    k_like, v_like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages)
+    impl, _ = first_serving(get_backend(name).PAGED_FORWARD, f"{name} paged forward", spec=spec, q=q, k=k_like,
+                            v=v_like, score_consts=score_consts, mask_consts=mask_consts, dropout_seed=None)
+    return impl
+
+
+def choose_paged(caller: str, backend, reason_of, *, warn: bool = True, forward_of=None) -> tuple[str, list]:
+    """The named backend, or the first of the platform's (``backends.platform_backends``) with a paged path that
+    serves the call, and (name, reason) for each passed over: the dense chooser's rule (a skipped backend
+    warns; a named one that cannot serve raises). ``reason_of(name)``: why backend ``name`` cannot serve, or
+    None (its options' ValueError propagates for a named backend)."""
+    from .backends import current_platform, platform_backends
+
+    names = (backend,) if backend is not None else platform_backends()
+    skipped = []
+    for name in names:
+        impl = get_backend(name)
+        if not serves_paged(impl):
+            skipped.append((name, "no paged path"))
+            continue
+        try:
+            reason = reason_of(name)
+        except ValueError as e:
+            if backend is not None:
+                raise
+            reason = str(e)
+        if reason is None:
+            if _EXPLAINING.get():
+                raise _Chosen(name, skipped, forward_of(name) if forward_of is not None else "paged")
+            for other, why in skipped if warn else ():
+                warnings.warn(f"flexjax: backend {other!r} cannot serve this {caller} call ({why}); using "
+                              f"{name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
+            return name, skipped
+        skipped.append((name, reason))
+    if backend is not None:
+        raise NotImplementedError(f"backend {backend!r} cannot serve this {caller} call: {skipped[0][1]}")
+    raise NotImplementedError(f"no backend can serve this {caller} call on {current_platform()}: "
+                              + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+def spec_reason(name: str, spec, q, k_pages, v_pages, lists, scales) -> str | None:
+    """Why backend ``name`` cannot serve this paged spec: kernel_options it does not take, its options'
+    checks (a ValueError), then ``paged_reason``."""
+    from .backends import kernel_option_names
+
+    impl = get_backend(name)
+    unknown = sorted(set(spec.options) - set(kernel_option_names(name)))
+    if unknown:
+        return f"it takes no kernel_options {unknown}"
+    impl.validate_options(spec)
+    return paged_reason(impl, spec, q, k_pages, v_pages, lists, scales)
 
 
 def paged_reason(impl, spec, q, k_pages, v_pages, lists, scales) -> str | None:
@@ -34,8 +122,7 @@ def paged_reason(impl, spec, q, k_pages, v_pages, lists, scales) -> str | None:
     like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages, q.dtype if scales is not None else None)
     reason = impl.supports_paged(spec, q, *like, lists)
     if reason is None and scales is not None:
-        reason = (impl.supports_quantized(spec, q, k_pages) if hasattr(impl, "supports_quantized")
-                  else "no quantized pools")
+        reason = impl.supports_quantized(spec, q, k_pages)
     return reason
 
 

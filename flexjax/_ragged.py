@@ -38,8 +38,10 @@ from ._paged_core import (
     _write_slots,
     check_backend,
     check_pages,
+    choose_paged,
     fail_on_host,
-    paged_reason,
+    forward_name,
+    spec_reason,
 )
 from ._spec import AttentionSpec, check_sinks, results
 from ._trace import trace_mod
@@ -50,8 +52,8 @@ from .backends._contract import TileLists
 # may have to get a decode tile of its own (one query: its GQA heads fill the tile's rows,
 # as in a decode step). Measured with benchmarks/bench_serving.py (8 chunks + 56 decodes,
 # Hq=8, Hkv=2, D=64, float32, 2-core CPU): tiles of 8 / 16 / 32 / 64 / 128 query rows
-# (32 / 64 / 128 / 256 / 512 packed rows) took 181 / 165 / 147 / 226 / 222 ms.
-WIDE_ROWS = 128
+# (32 / 64 / 128 / 256 / 512 packed rows) took 181 / 165 / 147 / 226 / 222 ms: each backend's
+# ``ragged_rows`` (128; pallas on cuda in float32: 64).
 NARROW_Q = 1
 
 
@@ -167,8 +169,10 @@ def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths, q_dtype):
     return score, score_consts, traced.static(), tuple(traced.consts)
 
 
-def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
-               bkv, kernel_options, scales):
+def _class_call(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
+                bkv, kernel_options, scales):
+    """One tile class's call on backend ``name``: (its ``_paged`` arguments, why ``name`` cannot serve it or
+    None)."""
     T, Hq, D = query.shape
     bq = tiles.bq
     kv_len = pt.shape[1] * k_pages.shape[1]
@@ -179,15 +183,10 @@ def _run_class(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_
     # (The q block: the tile, at least 16 rows, the least a Triton tile takes; one q block a row.)
     spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=bq, kv_len=kv_len, block_size=(max(bq, 16), bkv),
                          kernel_options=tuple(sorted((kernel_options or {}).items())))
-    impl = get_backend(name)
-    impl.validate_options(spec)
     rows = jnp.clip(tiles.tok[:, None] + jnp.arange(bq, dtype=jnp.int32), 0, T - 1)
     q_tiles = query[rows]  # (N, bq, Hq, D)
-    reason = paged_reason(impl, spec, q_tiles, k_pages, v_pages, lists, scales)
-    if reason is not None:
-        raise NotImplementedError(f"backend {name!r} cannot serve this ragged call: {reason}; pass backend='xla', "
-                                  "which serves every ragged call")
-    return _paged(name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, (pt[tiles.seq], scales))
+    reason = spec_reason(name, spec, q_tiles, k_pages, v_pages, lists, scales)
+    return (name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, (pt[tiles.seq], scales)), reason
 
 
 def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, *, score_mod=None,
@@ -285,18 +284,25 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     bkv = math.gcd(ps, 128)
     G = Hq // k_pages.shape[2]
-    impl = get_backend(backend or "xla")
-    # A backend may want fewer packed rows (pallas on cuda in float32: its shared memory).
-    rows = impl.ragged_rows(query.dtype, kernel_options or {}) if hasattr(impl, "ragged_rows") else WIDE_ROWS
-    wide = min(max(16, rows // G), 64, 1 << max(0, (T - 1).bit_length()))
-    narrow = min(NARROW_Q, wide)
     user_mask = trace_mod(mask_mod if mask_mod is not None else _causal, "mask", arg_name="mask_mod")
-    wide_tiles, narrow_tiles, is_narrow, starts = _plan(cu, lengths, T, S, wide, narrow)
-    name = backend or "xla"
-    run = lambda tiles: _run_class(name, tiles, query, k_pages, v_pages, pt, lengths, score_mod,  # noqa: E731
-                                   mask_mod, user_mask, scale, bkv, kernel_options, scales)
-    out_w, lse_w, ms_w = run(wide_tiles)
-    out_n, lse_n, ms_n = run(narrow_tiles)
+    plans = {}
+
+    def reason_of(name):
+        # A backend may want fewer packed rows (pallas on cuda in float32: its shared memory).
+        rows = get_backend(name).ragged_rows(query.dtype, kernel_options or {})
+        wide = min(max(16, rows // G), 64, 1 << max(0, (T - 1).bit_length()))
+        narrow = min(NARROW_Q, wide)
+        wide_tiles, narrow_tiles, is_narrow, starts = _plan(cu, lengths, T, S, wide, narrow)
+        calls = [_class_call(name, tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask,
+                             scale, bkv, kernel_options, scales) for tiles in (wide_tiles, narrow_tiles)]
+        plans[name] = (wide, narrow, is_narrow, starts, [c for c, _ in calls])
+        return next((r for _, r in calls if r is not None), None)
+
+    name, _ = choose_paged("ragged", backend, reason_of,
+                           forward_of=lambda n: forward_name(*plans[n][4][0][:7]))
+    wide, narrow, is_narrow, starts, calls = plans[name]
+    out_w, lse_w, ms_w = _paged(*calls[0])
+    out_n, lse_n, ms_n = _paged(*calls[1])
     # Each packed token's row: its sequence's decode tile, or wide tile starts[s] + o // wide.
     x = jnp.arange(T, dtype=jnp.int32)
     s = jnp.clip(jnp.searchsorted(cu, x, side="right") - 1, 0, S - 1).astype(jnp.int32)

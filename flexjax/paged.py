@@ -18,6 +18,7 @@ the table); ``write`` puts new tokens into their pages.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -46,14 +47,17 @@ from ._paged_core import (  # noqa: F401
     _write_slots,
     check_backend,
     check_pages,
+    choose_paged,
+    explaining,
+    forward_name,
     gather,
     paged_reason,
     set_runtime_checks,
+    spec_reason,
 )
 from ._quant import FloatTail, dequantize, quantize  # noqa: F401 (public here)
 from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
 from ._trace import trace_mod
-from .backends import get_backend
 from .backends._contract import TileLists
 
 
@@ -363,7 +367,10 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
       dropout_rate, dropout_rng: as in ``flexjax.flex_attention``; the paged kernels are
         decode paths and have no dropout, so a rate above 0 raises ``NotImplementedError``
         (``flexjax.flex_attention`` on ``gather(k_pages, page_table)`` has it).
-      backend: "xla" (None: xla; the decode path, any Sq) or "pallas" (its decode kernel,
+      backend: None: the platform's first backend with a paged path that serves the call
+        (``flexjax.backends.platform_backends()``: on CPU xla; on GPU triton, then pallas, then
+        xla; on TPU pallas, then xla; each one passed over warns, as ``flex_attention``'s
+        chooser does; ``paged.explain`` says which); "xla" (the decode path, any Sq) or "pallas" (its decode kernel,
         ``Sq <= 64``: the GPU template, or on TPU the Mosaic kernel, which needs head dims
         that are multiples of 128 and a BlockMask built with ``H=None``; interpret mode on
         CPU) or "triton" (its forward kernel reading pages through the table; NVIDIA GPUs,
@@ -423,15 +430,52 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     lists = TileLists(*lists)
     spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=Sq, kv_len=kv_len,
                          block_size=block_mask.block_size, kernel_options=tuple(sorted((kernel_options or {}).items())))
-    name = backend or "xla"
-    impl = get_backend(name)
-    impl.validate_options(spec)
-    reason = paged_reason(impl, spec, query, k_pages, v_pages, lists, scales)
-    if reason is not None:
-        raise NotImplementedError(f"backend {name!r} cannot serve this paged call: {reason}")
+    name, _ = choose_paged("paged", backend, lambda n: spec_reason(n, spec, query, k_pages, v_pages, lists, scales),
+                           forward_of=lambda n: forward_name(n, spec, query, k_pages, v_pages, score_consts,
+                                                             mask_consts))
     out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists,
                                   (pt, scales))
     return results(out, lse, max_scores, sinks, return_lse, return_aux)
+
+
+def explain(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *, cu_q_lens=None,
+            mask_mod=None, scale=None, sinks=None, backend: str | None = None, kernel_options: dict | None = None,
+            k_scale=None, v_scale=None, platform: str | None = None):
+    """What a paged call would run, without running it: ``paged.flex_attention``'s (``cu_q_lens=None``) or,
+    with ``cu_q_lens``, ``flex_attention_ragged``'s (``mask_mod`` then, not a ``block_mask``). Returns a
+    ``flexjax.Explanation``: the backend chosen (``backend=None``: the platform's first backend with a
+    paged path that serves the call), its paged forward's implementation, the backward (one XLA loop
+    reading the pools through the table, every backend's) and the backends passed over, with why.
+
+    ``platform`` ("cpu", "gpu" / "cuda", "tpu"; None: JAX's) asks what would run there, from any host.
+    Arguments may be arrays or ``jax.ShapeDtypeStruct``s where the call takes traced values; raises
+    what the call raises for invalid arguments.
+    """
+    from ._api import Explanation
+    from ._paged_core import _Chosen
+    from .backends import for_platform
+
+    if cu_q_lens is None:
+        if mask_mod is not None:
+            raise ValueError("paged.explain: a paged call takes a block_mask, not a mask_mod (mask_mod goes with "
+                             "cu_q_lens, a ragged call)")
+        call = functools.partial(flex_attention, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                 sinks=sinks, backend=backend, kernel_options=kernel_options, k_scale=k_scale,
+                                 v_scale=v_scale)
+        args = (query, k_pages, v_pages, page_table, kv_lengths)
+    else:
+        if block_mask is not None:
+            raise ValueError("paged.explain: a ragged call (cu_q_lens given) takes a mask_mod, not a block_mask")
+        call = functools.partial(flex_attention_ragged, score_mod=score_mod, mask_mod=mask_mod, scale=scale,
+                                 sinks=sinks, backend=backend, kernel_options=kernel_options, k_scale=k_scale,
+                                 v_scale=v_scale)
+        args = (query, k_pages, v_pages, page_table, kv_lengths, cu_q_lens)
+    try:
+        with for_platform(platform), explaining():
+            jax.eval_shape(lambda *a: call(*a), *args)
+    except _Chosen as chosen:
+        return Explanation(chosen.name, chosen.forward, "paged_backward", tuple(chosen.skipped))
+    raise AssertionError("paged.explain: the call made no backend choice")  # (every paged call chooses)
 
 
 # Mixed prefill / decode batches (continuous batching) over the same pools.

@@ -6,6 +6,8 @@ in ``_BACKENDS`` and place it in ``_PLATFORM_ORDER`` (docs/architecture.md walks
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 
@@ -44,9 +46,42 @@ def get_backend(name: str):
     return importlib.import_module(_BACKENDS[name])
 
 
+PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("flexjax_platform", default=None)
+
+
+def current_platform() -> str:
+    """The platform calls are prepared for: JAX's default backend, or the one ``for_platform`` names
+    (``explain(..., platform=...)`` asks what would run on another platform)."""
+    return _PLATFORM.get() or jax.default_backend()
+
+
+def platform_overridden() -> bool:
+    """Whether ``for_platform`` names a platform other than JAX's (no device of it to ask: a GPU's compute
+    capability is then the ``compute_capability`` option's, else 9.0)."""
+    platform = _PLATFORM.get()
+    return platform is not None and platform != jax.default_backend()
+
+
+@contextlib.contextmanager
+def for_platform(platform: str | None):
+    """Within it, backends choose and resolve their options as on ``platform`` ("cpu", "gpu" / "cuda",
+    "tpu"; None: JAX's)."""
+    if platform is None:
+        yield
+        return
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS} or None, got {platform!r}")
+    token = _PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
 def platform_backends(platform: str | None = None) -> tuple[str, ...]:
-    """The backends ``backend=None`` tries, in order, on ``platform`` (default: JAX's)."""
-    platform = platform or jax.default_backend()
+    """The backends ``backend=None`` tries, in order, on ``platform`` (default: ``current_platform()``)."""
+    platform = platform or current_platform()
     return _PLATFORM_ORDER.get(platform, ("xla",))
 
 

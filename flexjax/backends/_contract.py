@@ -133,6 +133,34 @@ class Backend(Protocol):
         Deterministic (no atomics): the same inputs give the same bits."""
 
 
+@runtime_checkable
+class PagedBackend(Protocol):
+    """What a backend with a paged path defines beside ``Backend``'s members (xla, pallas, triton): the
+    paged, ragged and ``write_and_attend`` calls choose among the backends that satisfy it.
+
+    ``k`` / ``v`` in the checks stand for the logical cache (B, max_pages * page_size, Hkv, .);
+    ``scales`` is a quantized pool's (k_scale, v_scale), float32 (num_pages, Hkv), or None.
+    ``PAGED_FORWARD``: its paged forward's ``Implementation``s, in the order tried (``paged.explain``
+    names the first that serves). The backward of every paged call is one XLA loop reading the
+    pools through the table (``backends/_decode.paged_backward``).
+    """
+
+    PAGED_FORWARD: tuple
+
+    def supports_paged(self, spec, q, k, v, lists: TileLists) -> str | None:
+        """None when the backend's paged forward serves this call, else the reason (never raises)."""
+
+    def supports_quantized(self, spec, q, pages) -> str | None:
+        """None when it reads int8 / float8_e4m3fn pools of ``pages``' dtype, else the reason."""
+
+    def paged_forward(self, spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists: TileLists,
+                      scales=None) -> tuple[jax.Array, jax.Array, Residuals]:
+        """``forward_with_residuals`` reading K/V through the page table (B, max_pages)."""
+
+    def ragged_rows(self, dtype, kernel_options: dict) -> int:
+        """How many query rows (heads x tokens) a ragged call packs in a tile for this backend."""
+
+
 class Implementation(NamedTuple):
     """One way a backend can serve a pass: a name and its own "can you serve this" test.
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import current_platform
 from ._contract import Residuals
 from ._layout import geometry, pad_axis, score_const_grads
 
@@ -125,8 +125,9 @@ def basic_reason(name: str, spec, q, fields: tuple[str, ...], host_target: str |
         return f"unknown kernel_options {unknown} for the {name} backend; it takes {list(fields)}"
     if q.dtype not in KERNEL_DTYPES:
         return f"the {name} backend takes float32, bfloat16 or float16 inputs, got {q.dtype}"
-    if not spec.options.get("target") and host_target is None and jax.default_backend() != "cpu":
-        return f"the {name} backend has no kernel for platform {jax.default_backend()!r}{platform_hint}"
+    platform = current_platform()
+    if not spec.options.get("target") and host_target is None and platform != "cpu":
+        return f"the {name} backend has no kernel for platform {platform!r}{platform_hint}"
     return None
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _dropout
-from . import _softmax
+from . import _softmax, current_platform
 from ._common import acc_dtype, allowed, apply_score_mod, coarse_lists
 from ._contract import Implementation, Residuals, TileLists, always, first_serving, never_raises
 
@@ -85,7 +85,7 @@ def heuristics(platform: str, block_size: tuple[int, int], q_len: int, kv_len: i
 def _resolve(spec) -> tuple[KernelOptions, int | None]:
     """The tiles for ``spec`` and, when the forward runs as a band, its kv width."""
     opts = spec.options
-    default = heuristics(jax.default_backend(), spec.block_size, spec.q_len, spec.kv_len, spec.kv_band)
+    default = heuristics(current_platform(), spec.block_size, spec.q_len, spec.kv_len, spec.kv_band)
     values = {f: opts.get(f) or getattr(default, f) for f in _FIELDS}
     band = None
     if spec.kv_band is not None and spec.kv_band <= _BAND_MAX and "block_q" not in opts and "block_kv" not in opts:
@@ -167,6 +167,11 @@ PAGED_FORWARD = (
 def supports_paged(spec, q, k, v, lists) -> str | None:
     """None: the xla backend serves every paged call (``k`` / ``v`` stand for the logical cache)."""
     return None
+
+
+def ragged_rows(dtype, kernel_options: dict) -> int:
+    """Query rows (heads x tokens) a ragged call packs in a tile: 128."""
+    return 128
 
 
 def supports_quantized(spec, q, pages) -> str | None:

@@ -51,6 +51,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
+from .. import current_platform
 from .._contract import Residuals, TileLists
 from .._softmax import lse_of
 from . import _codegen
@@ -434,7 +435,7 @@ def _mesh_reason() -> str | None:
 
 
 def _common_reason(spec, q, k, v, score_consts, mask_consts, dropout_seed) -> str | None:
-    if jax.default_backend() != "cpu":
+    if current_platform() != "cpu":
         return "not on CPU"
     if dropout_seed is not None and spec.dropout_rate:
         return "dropout"

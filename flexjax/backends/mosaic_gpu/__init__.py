@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from ..._modcompiler import compile_mod
+from .. import current_platform, platform_overridden
 from .._contract import Implementation, always, never_raises
 from .._frontend import (
     KernelOptionsBase,
@@ -94,6 +95,8 @@ OPTION_NAMES = _FIELDS
 
 
 def _device_capability() -> int | None:
+    if platform_overridden():
+        return None
     try:
         dev = jax.devices()[0]
     except RuntimeError:
@@ -105,7 +108,7 @@ def _device_capability() -> int | None:
 
 
 def _host_target() -> str | None:
-    return "cuda" if jax.default_backend() in ("gpu", "cuda") else None
+    return "cuda" if current_platform() in ("gpu", "cuda") else None
 
 
 def heuristics(head_dim: int, block_size, compute_capability: int = 90) -> KernelOptions:

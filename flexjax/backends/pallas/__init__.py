@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from ..._modcompiler import compile_mod
+from .. import current_platform
 from .._contract import Implementation, always, first_serving, never_raises
 from .._frontend import (
     TILE_FIELDS,
@@ -86,7 +86,7 @@ def _fit(tile: int, block: int) -> int:
 
 
 def _host_target() -> str | None:
-    platform = jax.default_backend()
+    platform = current_platform()
     return {"gpu": "cuda", "cuda": "cuda", "rocm": None, "tpu": "tpu"}.get(platform)
 
 
@@ -179,7 +179,7 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     o = _resolve(spec, q.shape[-1], q.dtype)
     if not _decode.serves(spec, q, o):
         return (f"the pallas paged kernel serves Sq <= {_decode.DECODE_MAX_Q}, got Sq={spec.q_len} on "
-                f"{jax.default_backend()}; pass backend='xla'")
+                f"{current_platform()}; pass backend='xla'")
     if o.target == "tpu":
         reason = _decode.tpu_reason(spec, q, v, lists, _mods(spec, o))
         if reason is None and not o.interpret and spec.block_size[1] % 128:
@@ -217,6 +217,10 @@ def supports_quantized(spec, q, pages) -> str | None:
         return (f"the TPU kernel keeps the pools' scales in SMEM: {pages.shape[0]} pages x {pages.shape[2]} kv heads "
                 f"need {need} bytes, above {TPU_SCALE_BYTES}; use fewer, larger pages, or backend='xla'")
     return None
+
+
+# The paged forward's implementations (``explain``): the decode kernel, as ``supports_paged`` admits it.
+PAGED_FORWARD = (Implementation("decode", always),)
 
 
 def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._modcompiler import compile_mod
-from .. import _frontend
+from .. import _frontend, current_platform, platform_overridden
 from .._contract import Implementation, always, never_raises
 from .._layout import Mods, geometry, pad_axis, prologues
 from .._tile_tables import TRITON_DROPOUT_BWD_KV, TRITON_SM80, TRITON_SM90, TRITON_SM90_NO_GATHER
@@ -130,7 +130,7 @@ def _kernel_tile(tile: int) -> int:
 
 def _device_capability() -> int | None:
     """The compute capability of JAX's first GPU, or None without one."""
-    if jax.default_backend() not in ("gpu", "cuda"):
+    if current_platform() not in ("gpu", "cuda") or platform_overridden():
         return None
     major, _, minor = str(getattr(jax.devices()[0], "compute_capability", "")).partition(".")
     if not (major.isdigit() and (minor or "0").isdigit()):
@@ -139,7 +139,9 @@ def _device_capability() -> int | None:
 
 
 def _host_target() -> str | None:
-    return "cuda" if jax.default_backend() in ("gpu", "cuda") and _device_capability() is not None else None
+    if current_platform() not in ("gpu", "cuda"):
+        return None
+    return "cuda" if platform_overridden() or _device_capability() is not None else None
 
 
 _DKV_FIELDS = {"dkv_block_q": "bwd_block_q", "dkv_block_kv": "bwd_block_kv", "dkv_num_warps": "bwd_num_warps",
@@ -338,6 +340,11 @@ def supports_paged(spec, q, k, v, lists) -> str | None:
     return None
 
 
+def ragged_rows(dtype, kernel_options: dict) -> int:
+    """Query rows (heads x tokens) a ragged call packs in a tile: 128."""
+    return 128
+
+
 def supports_quantized(spec, q, pages) -> str | None:
     """None where the forward kernel dequantizes the pools' tiles as it loads them (to the
     query's dtype, with their page's scale): int8, and float8_e4m3fn on GPUs (Triton's
@@ -347,6 +354,10 @@ def supports_quantized(spec, q, pages) -> str | None:
         return ("Triton's interpreter cannot take float8_e4m3fn pools (torch converts no float8 array); lower for "
                 "the GPU with kernel_options={'target': 'cuda'}, or pass backend='xla' or 'pallas'")
     return None
+
+
+# The paged forward's implementations (``explain``): the forward kernel reading pages through the table.
+PAGED_FORWARD = (Implementation("paged", always),)
 
 
 def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):

@@ -1,0 +1,112 @@
+"""What would run, asked from this host for another platform (``explain(..., platform=)``), and paged / ragged
+calls going through the platform's chooser (``paged.explain``) rather than always to xla."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flexjax
+from flexjax import backends, masks, paged
+
+S = jax.ShapeDtypeStruct
+B, H, K, D = 2, 8, 2, 128
+
+
+def _mosaic_gpu_importable() -> bool:
+    from flexjax.backends import mosaic_gpu
+    return mosaic_gpu.MISSING is None
+
+
+def test_dense_explain_on_each_platform():
+    q = S((1, 1024, H, D), jnp.bfloat16)
+    bm = flexjax.create_block_mask(masks.causal, None, None, 1024, 1024)
+    assert flexjax.explain(q, q, q, block_mask=bm, platform="cpu").backend == "xla"
+    cuda = flexjax.explain(q, q, q, block_mask=bm, platform="cuda")
+    if _mosaic_gpu_importable():  # compute capability 9.0: the Hopper kernels
+        assert cuda.backend == "mosaic_gpu", str(cuda)
+    else:
+        assert cuda.backend in ("triton", "pallas"), str(cuda)
+        assert cuda.skipped_backends[0][0] == "mosaic_gpu"
+    assert flexjax.explain(q, q, q, block_mask=bm, platform="gpu").backend == cuda.backend
+    tpu = flexjax.explain(q, q, q, block_mask=bm, platform="tpu")
+    assert (tpu.backend, tpu.forward) == ("pallas", "tiled"), str(tpu)
+    # compute capability 8.0 is not mosaic_gpu's: triton's, which takes the option, where it imports
+    try:
+        sm80 = flexjax.explain(q, q, q, block_mask=bm, platform="cuda", kernel_options={"compute_capability": 80})
+        assert sm80.backend == "triton", str(sm80)
+    except NotImplementedError as e:
+        assert "got 8.0" in str(e) and "'triton' package" in str(e)
+    # the platform does not leak past the call
+    assert backends.current_platform() == jax.default_backend()
+    with pytest.raises(ValueError, match="platform must be one of"):
+        flexjax.explain(q, q, q, block_mask=bm, platform="metal")
+
+
+def test_xla_forward_names_the_cpu_kernel_only_on_cpu():
+    q = S((1, 256, 4, 64), jnp.float32)
+    here = flexjax.explain(q, q, q, block_mask=flexjax.create_block_mask(masks.causal, None, None, 256, 256),
+                           backend="xla")
+    assert here.forward == "cpu_kernel"
+    there = flexjax.explain(q, q, q, block_mask=flexjax.create_block_mask(masks.causal, None, None, 256, 256),
+                            backend="xla", platform="cuda")
+    assert there.forward != "cpu_kernel"
+
+
+@pytest.mark.parametrize("page", [64, 128])
+def test_paged_and_ragged_calls_name_a_kernel_backend_off_cpu(page):
+    L = 1024
+    q = S((B, 1, H, D), jnp.bfloat16)
+    kp = S((B * L // page, page, K, D), jnp.bfloat16)
+    table, lens = S((B, L // page), jnp.int32), S((B,), jnp.int32)
+    qr, cu = S((64, H, D), jnp.bfloat16), S((B + 1,), jnp.int32)
+    for call in (lambda **kw: paged.explain(q, kp, kp, table, lens, **kw),
+                 lambda **kw: paged.explain(qr, kp, kp, table, lens, cu_q_lens=cu, **kw)):
+        here = call()
+        assert here.backend == "xla" and here.forward == "cpu_kernel" and here.backward == "paged_backward"
+        cuda = call(platform="cuda")
+        assert cuda.backend in ("triton", "pallas"), str(cuda)
+        assert ("mosaic_gpu", "no paged path") in cuda.skipped_backends
+        tpu = call(platform="tpu")
+        if page % 128 == 0:  # the TPU kernel's kv tiles are multiples of 128
+            assert (tpu.backend, tpu.forward) == ("pallas", "decode"), str(tpu)
+        else:
+            assert tpu.backend == "xla" and "multiple of 128" in tpu.skipped_backends[0][1]
+
+
+def test_paged_explain_is_what_runs_and_a_named_backend_is_kept():
+    """On this host paged.explain names the backend the call then runs; a named backend that has no paged path
+    is refused; kernel_options no backend the platform tries takes are refused, naming the backend."""
+    L, page = 64, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    kp = jax.random.normal(ks[0], (B * L // page, page, K, 16))
+    q = jax.random.normal(ks[1], (B, 1, H, 16))
+    table = jnp.asarray(paged.page_table_for([L] * B, page, L // page))
+    lens = jnp.array([40, 64], jnp.int32)
+    exp = paged.explain(q, kp, kp, table, lens)
+    assert exp.backend == "xla"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing passed over on CPU, nothing warned
+        out = paged.flex_attention(q, kp, kp, table, lens)
+    want = paged.flex_attention(q, kp, kp, table, lens, backend="xla")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert paged.explain(q, kp, kp, table, lens, backend="pallas").backend == "pallas"
+    with pytest.raises(NotImplementedError, match="paths on the"):
+        paged.explain(q, kp, kp, table, lens, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="kernel_options key 'target' is taken by backend"):
+        paged.flex_attention(q, kp, kp, table, lens, kernel_options={"target": "tpu"})
+    with pytest.raises(ValueError, match="block_mask, not a mask_mod"):
+        paged.explain(q, kp, kp, table, lens, mask_mod=masks.causal)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None, reason="jax-triton is not installed")
+def test_paged_on_cuda_names_triton_where_it_imports():
+    q = S((B, 1, H, D), jnp.bfloat16)
+    kp = S((32, 64, K, D), jnp.bfloat16)
+    exp = paged.explain(q, kp, kp, S((B, 16), jnp.int32), S((B,), jnp.int32), platform="cuda")
+    assert exp.backend == "triton", str(exp)
