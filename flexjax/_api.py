@@ -1,4 +1,5 @@
-"""flex_attention: input checks, backend dispatch and the custom_vjp around the backends."""
+"""flex_attention: input checks, backend dispatch (and ``explain``) and the custom_jvp around the backends
+(``jax.grad`` transposes its linear part to the backend's hand-written backward)."""
 
 from __future__ import annotations
 
@@ -130,8 +131,9 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         scaled by ``1 / (1 - dropout_rate)``; lse is of the undropped probabilities.
         0.0 runs exactly the no-dropout kernels.
       dropout_rng: a JAX PRNG key (``jax.random.key``), needed when ``dropout_rate > 0``.
-      backend: "xla", "reference" (dense, for tests), "pallas", "triton"; None picks for
-        the platform.
+      backend: "xla", "pallas", "triton", "mosaic_gpu" or "reference" (dense, for tests);
+        None picks for the platform (``flexjax.backends.platform_backends()``; ``explain``
+        says which and why).
       kernel_options: backend options (tile sizes etc.; see each backend's KernelOptions).
 
     Returns:

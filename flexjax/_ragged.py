@@ -219,7 +219,9 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
       sinks: float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``.
       return_aux: an ``AuxRequest``: ``(out, AuxOutput)`` with ``lse`` and ``max_scores``
         shaped (Hq, T), as ``flexjax.flex_attention``'s without the batch axis.
-      backend: "xla" (None: xla; on CPU the C++ kernel where it compiles the mods),
+      backend: None: the platform's first backend with a paged path that serves the call (as
+        ``paged.flex_attention``; ``paged.explain(..., cu_q_lens=...)`` says which); "xla" (on
+        CPU the C++ kernel where it compiles the mods),
         "pallas" (its paged decode kernels, GPU and TPU; interpret mode on CPU) or "triton"
         (its forward kernel reading pages through the table; NVIDIA GPUs).
       kernel_options: the pallas or triton backend's.

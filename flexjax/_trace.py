@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -77,7 +78,9 @@ class TracedMod:
 class StaticMod:
     """A TracedMod without its captured arrays.
 
-    Two StaticMods are equal when their jaxprs print the same: re-tracing the same mod
+    Two StaticMods are equal when their jaxprs print the same and the arrays nested calls in
+    them close over (a ``jax.jit`` inside the mod: its jaxpr prints their shapes, not their
+    values) hold the same values: re-tracing the same mod
     (or an equal one, e.g. ``sliding_window(256)`` built twice) then hits jit caches
     instead of recompiling. ``traced_consts`` says the mod closes over tracers (it was
     traced inside ``jit``), so it cannot be pickled. A pickled StaticMod stores ``fn``
@@ -93,7 +96,7 @@ class StaticMod:
     key: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "key", f"{self.kind}:{self.jaxpr}")
+        object.__setattr__(self, "key", f"{self.kind}:{self.jaxpr}:{_nested_consts_digest(self.jaxpr)}")
 
     def __eq__(self, other):
         return isinstance(other, StaticMod) and self.key == other.key
@@ -127,6 +130,34 @@ class StaticMod:
         # jnp.vectorize vmaps only over the axes where an argument is not of size 1, so
         # q_idx (bq, 1) and kv_idx (1, bk) are never materialized at (bq, bk) for it.
         return jnp.vectorize(scalar_fn)(*args)
+
+
+def _nested_consts_digest(jaxpr) -> str:
+    """A digest of the values of the arrays closed over by the calls nested in ``jaxpr`` (a ``pjit``'s or
+    ``custom_jvp_call``'s ``ClosedJaxpr`` consts, at any depth), which the printed jaxpr shows only as
+    shapes; "" when there are none. A traced value (a mod traced inside ``jit``) counts by identity."""
+    h = hashlib.sha256()
+    seen = [0]
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        for c in sub.consts:
+                            seen[0] += 1
+                            if isinstance(c, jax.core.Tracer):
+                                h.update(f"tracer{id(c)}".encode())
+                                continue
+                            arr = np.asarray(c)
+                            h.update(f"{arr.dtype}{arr.shape}".encode())
+                            h.update(np.ascontiguousarray(arr).tobytes())
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr)
+    return h.hexdigest()[:16] if seen[0] else ""
 
 
 def _pickle_mod(kind: str, fn: Callable, jaxpr, num_consts: int, traced: bool, static: bool) -> tuple:
