@@ -74,6 +74,11 @@ CI_EXTRA = frozenset({
     "tests/test_api.py::test_check_grads_with_captured_table[xla]",
     "tests/test_block_mask_analysis.py::test_compact_lists_and_max_blocks_per_row",
     "tests/test_jit_sharding.py::test_jit_and_grad_match_one_device[explicit-batch_heads-relative_bias]",
+    # (2026-12-06: 4:55 of tests with the float tail, explain and Flax storage tests added)
+    "tests/test_mosaic_gpu.py::test_catalog_in_the_interpreter[default-sm_90a-sliding_window+alibi-small_gqa_ragged]",
+    "tests/test_ragged.py::test_ragged_matches_per_sequence[xla-window-bfloat16]",
+    "tests/test_training_features.py::test_dropout_is_the_same_for_every_tile_and_backend",
+    "tests/test_exactness.py::test_float64_xla_matches_reference_on_the_catalog[document+t5]",
 })
 
 
