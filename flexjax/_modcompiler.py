@@ -81,7 +81,8 @@ class CompiledMod:
 
     Attributes:
       mod: the traced mod.
-      target: "interpret", "cuda" or "tpu".
+      target: "interpret", "cuda" or "tpu" (the pallas backend's), "triton" or "mosaic_gpu" (``_BACKEND``
+        maps each to the IR's backend).
       nodes: the flattened nodes, in order.
       args: var ids of the mod's arguments (score first for a score_mod).
       consts: var ids of the captured arrays.

@@ -153,7 +153,7 @@ def test_takes_hopper_and_blackwell():
     for cc, rows in ((90, 128), (100, 256)):
         e = flexjax.explain(q, k, v, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": cc})
         assert e.backend == "mosaic_gpu"
-        assert backend.heuristics(64, (128, 128), cc).block_q == rows
+        assert backend.heuristics(cc).block_q == rows
 
 
 def test_refuses_past_tensor_memory(monkeypatch):

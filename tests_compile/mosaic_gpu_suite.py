@@ -129,7 +129,7 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
     grads = catalog_target.grads(lambda q, k, v, params: attention(
         q, k, v, params, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": cc}, **drop))
     shapes = catalog_target.abstract_args(B, S, Hq, Hkv, D, dtype, sh, params)
-    o = heuristics(D, (BLOCK_SIZE, BLOCK_SIZE), cc)
+    o = heuristics(cc)
     unit = _mma.for_capability(cc, False)
     smem = {**_kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, rows=unit.rows),
             **{k: v for k, v in _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages,

@@ -23,9 +23,10 @@ _BACKENDS = {
 }
 
 # Ordered choices for backend=None, per platform; each list ends on "xla". On GPU,
-# "mosaic_gpu" serves compute capability 9.0 and the mods, dtypes and head dims it takes
-# (its ``supports`` refuses the rest), "triton" only where jax-triton imports (the call
-# warns that it fell through to "pallas").
+# "mosaic_gpu" serves compute capabilities 9.0 and 10.0 and the mods, dtypes and head dims it
+# takes (its ``supports`` refuses the rest), "triton" only where jax-triton imports (the call
+# warns that it fell through to "pallas"). Paged and ragged calls take the backends of the
+# list that have a paged path (``_contract.PagedBackend``).
 _PLATFORM_ORDER = {
     "cpu": ("xla",),
     "gpu": ("mosaic_gpu", "triton", "pallas", "xla"),

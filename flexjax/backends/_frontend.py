@@ -1,4 +1,4 @@
-"""The front end the kernel backends share (pallas, triton; mosaic_gpu next): options, layout, residuals.
+"""The front end the kernel backends share (pallas, triton, mosaic_gpu): options, layout, residuals.
 
 A kernel backend differs from another in its kernels and its tile tables. What surrounds
 them is the same and lives here: checking kernel_options, filling unset options from a
@@ -100,7 +100,7 @@ def dropout_args(spec, dropout_seed) -> dict:
 
 
 def check_options(opts: dict, block_size, targets: tuple[str, ...], bools: Iterable[str] = ("interpret",)) -> None:
-    """Tiles and launch parameters (``_common.check_tiles_and_launch``), ``target`` among
+    """Tiles and launch parameters (``check_tiles_and_launch``), ``target`` among
     ``targets``, and the ``bools`` keys bools.
 
     Raises:

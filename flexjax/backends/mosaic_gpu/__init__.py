@@ -111,8 +111,9 @@ def _host_target() -> str | None:
     return "cuda" if current_platform() in ("gpu", "cuda") else None
 
 
-def heuristics(head_dim: int, block_size, compute_capability: int = 90) -> KernelOptions:
-    """Default tiles. sm_90a: 128 query rows per CTA, 64 keys per step (at 128 keys the forward's
+def heuristics(compute_capability: int = 90) -> KernelOptions:
+    """Default tiles (the same for every head dim and BlockMask block: ``_tile_reason`` checks that they fit
+    the block). sm_90a: 128 query rows per CTA, 64 keys per step (at 128 keys the forward's
     (64, 128) float32 score tile pushed ptxas past the 168 registers a thread of a
     three-warpgroup CTA has: 8-44 B spilled per thread on sm_90a at D = 64 and 128).
     sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
@@ -133,7 +134,7 @@ def heuristics(head_dim: int, block_size, compute_capability: int = 90) -> Kerne
 def _resolve(spec, head_dim: int) -> KernelOptions:
     target, interpret = target_and_interpret(spec, _host_target())
     cc = spec.options.get("compute_capability") or _device_capability() or 90
-    default = heuristics(head_dim, spec.block_size, 100 if cc >= 100 else 90)
+    default = heuristics(100 if cc >= 100 else 90)
     return fill(KernelOptions, spec, default, target=target, interpret=interpret, compute_capability=cc)
 
 
