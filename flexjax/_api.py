@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _dropout
 from ._autodiff import attention_jvp
@@ -24,10 +22,11 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
     check_block_mask,
     check_outputs,
     check_qkv,
+    check_scale,
     check_sinks,
     results,
+    trace_score,
 )
-from ._trace import trace_mod
 from .backends import (
     available_backends,
     current_platform,
@@ -37,7 +36,6 @@ from .backends import (
     kernel_option_names,
     platform_backends,
 )
-from .backends._common import acc_dtype
 from .backends._contract import Implementation, TileLists, first_serving
 
 
@@ -173,19 +171,12 @@ def _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, ba
     """The call's spec (its mods traced), captured arrays and tile lists; checks scale and block_mask."""
     B, Sq, Hq, D = query.shape
     Skv = key.shape[1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    scale = check_scale(scale, D)
     if block_mask is None:
         block_mask = full_block_mask(1, 1, Sq, Skv)
     check_block_mask(block_mask, query.shape, Skv)
-    score = None
-    score_consts: tuple = ()
-    if score_mod is not None:
-        traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(query.dtype))
-        score, score_consts = traced.static(), tuple(traced.consts)
-    spec = AttentionSpec(score=score, mask=block_mask.mask, scale=float(scale), q_len=Sq,
+    score, score_consts = trace_score(score_mod, query.dtype)
+    spec = AttentionSpec(score=score, mask=block_mask.mask, scale=scale, q_len=Sq,
                          kv_len=Skv, block_size=block_mask.block_size,
                          kernel_options=_options_tuple(kernel_options, backend),
                          kv_band=block_mask.kv_band, dropout_rate=rate)

@@ -43,7 +43,7 @@ from ._paged_core import (
     forward_name,
     spec_reason,
 )
-from ._spec import AttentionSpec, check_sinks, results
+from ._spec import AttentionSpec, check_scale, check_sinks, results
 from ._trace import trace_mod
 from .backends import get_backend
 from .backends._contract import TileLists
@@ -283,7 +283,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     kv_len = pt.shape[1] * ps
     lengths = lengths + _check_layout(cu, lengths, T, kv_len)
     lengths = lengths + check_pages("flex_attention_ragged", pt, lengths, k_pages.shape[0], ps)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = check_scale(scale, D)
     bkv = math.gcd(ps, 128)
     G = Hq // k_pages.shape[2]
     user_mask = trace_mod(mask_mod if mask_mod is not None else _causal, "mask", arg_name="mask_mod")

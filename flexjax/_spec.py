@@ -90,6 +90,28 @@ def check_qkv(query, key, value):
             raise ValueError(f"{name} has a zero-sized dimension; shapes {query.shape}, {key.shape}, {value.shape}")
 
 
+def check_scale(scale, head_dim: int) -> float:
+    """The factor on q·k every entry point takes: ``1/sqrt(head_dim)`` for None, else a Python or NumPy real
+    number (not a bool, not an array: it is static, part of the compiled kernel)."""
+    if scale is None:
+        return 1.0 / float(np.sqrt(head_dim))
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def trace_score(score_mod, dtype) -> tuple:
+    """``(StaticMod, captured arrays)`` of a score_mod traced at the scores' accumulation dtype for inputs of
+    ``dtype``, or ``(None, ())``."""
+    if score_mod is None:
+        return None, ()
+    from ._trace import trace_mod
+    from .backends._common import acc_dtype
+
+    traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(dtype))
+    return traced.static(), tuple(traced.consts)
+
+
 def check_block_mask(block_mask, query_shape, Skv):
     B, Sq, Hq, _ = query_shape
     if not isinstance(block_mask, BlockMask):

@@ -56,7 +56,16 @@ from ._paged_core import (  # noqa: F401
     spec_reason,
 )
 from ._quant import FloatTail, dequantize, quantize  # noqa: F401 (public here)
-from ._spec import AttentionSpec, check_block_mask, check_outputs, check_qkv, check_sinks, results
+from ._spec import (
+    AttentionSpec,
+    check_block_mask,
+    check_outputs,
+    check_qkv,
+    check_scale,
+    check_sinks,
+    results,
+    trace_score,
+)
 from ._trace import trace_mod
 from .backends._contract import TileLists
 
@@ -383,7 +392,6 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     Returns:
       (B, Sq, Hq, Dv) in the query's dtype, or ``(out, lse)``, or ``(out, AuxOutput)``.
     """
-    from .backends._common import acc_dtype
 
     check_backend("flexjax.paged.flex_attention", backend, kernel_options)
     if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
@@ -421,11 +429,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     if ps % bkv:
         raise ValueError(f"page_size ({ps}) must be a multiple of the block mask's kv block ({bkv}); rebuild "
                          f"it with block_size=(block_q, d) for a d dividing {ps}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    score, score_consts = None, ()
-    if score_mod is not None:
-        traced = trace_mod(score_mod, "score", arg_name="score_mod", score_dtype=acc_dtype(query.dtype))
-        score, score_consts = traced.static(), tuple(traced.consts)
+    scale = check_scale(scale, D)
+    score, score_consts = trace_score(score_mod, query.dtype)
     lists, mask, mask_consts = _with_lengths(block_mask, lengths, B)
     lists = TileLists(*lists)
     spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=Sq, kv_len=kv_len,

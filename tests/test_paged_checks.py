@@ -116,3 +116,24 @@ def test_write_past_a_sequences_pages_lands_nowhere():
     k2, v2 = paged.write(k_pages, v_pages, table, pos, k_new, k_new)
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(k_pages))
     np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_pages))
+
+
+def test_paged_and_ragged_calls_check_scale_and_kernel_options_as_flex_attention_does():
+    """One rule for every entry point: a scale that is not a real number is a TypeError, a kernel_options key no
+    backend takes a ValueError naming it (before: float(scale) took "0.5" and the paged path passed unknown
+    keys to its backend)."""
+    k_pages, v_pages = paged.allocate(8, 8, 2, 16)
+    table = jnp.asarray(paged.page_table_for([16, 16], 8, 4, num_pages=8))
+    q = jnp.ones((B, 1, 4, 16))
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    lens = jnp.array([16, 16], jnp.int32)
+    calls = (lambda **kw: paged.flex_attention(q, k_pages, v_pages, table, lens, **kw),
+             lambda **kw: paged.flex_attention_ragged(q[:, 0], k_pages, v_pages, table, lens, cu, **kw))
+    for call in calls:
+        with pytest.raises(TypeError, match="scale must be a Python float"):
+            call(scale="0.5")
+        with pytest.raises(TypeError, match="scale must be a Python float"):
+            call(scale=jnp.float32(0.5))
+        with pytest.raises(ValueError, match="unknown kernel_options key 'blok_q'"):
+            call(kernel_options={"blok_q": 16})
+        np.testing.assert_allclose(np.asarray(call(scale=0.5)), np.asarray(call(scale=np.float32(0.5))))
