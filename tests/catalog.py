@@ -163,14 +163,16 @@ def loss_and_grads(attention, q, k, v, do, params, **kw):
     return out, lse, grads
 
 
-def sweep(values, default, ids=None):
-    """pytest params over ``values``; those not in ``default`` are marked slow (``make test-all``).
+def sweep(values, default, ids=None, extra=()):
+    """pytest params over ``values``; those not in ``default`` are marked slow (``make test-all``),
+    those in ``extra`` (default ones too costly for make test) ci_extra (``make test-extra``).
 
     Keeps the default suite within its time budget while the full grid still runs.
     """
     ids = ids or [None] * len(values)
     return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i,
-                         marks=() if v in default else pytest.mark.slow) for v, i in zip(values, ids)]
+                         marks=pytest.mark.slow if v not in default else pytest.mark.ci_extra if v in extra else ())
+            for v, i in zip(values, ids)]
 
 
 def rotating_shapes():

@@ -54,7 +54,9 @@ def test_fully_masked_rows(backend):
     assert all(np.isfinite(np.asarray(x)).all() for x in g)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "xla"])
+# xla in make test-extra (make test's budget); the other tests with captured tables run in make test.
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow),
+                                     pytest.param("xla", marks=pytest.mark.ci_extra)])
 def test_check_grads_with_captured_table(backend):
     q, k, v = _qkv(B=1, Sq=12, Skv=12, Hq=2, Hkv=1, D=4, Dv=3)
     table = 0.5 * jax.random.normal(jax.random.PRNGKey(3), (2, 23))

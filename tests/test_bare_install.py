@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).with_name("bare_install.py")
 
 
+@pytest.mark.ci_extra  # (make test-extra: a fresh process; make test-bare runs the same script)
 def test_entry_points_without_optional_packages():
     run = subprocess.run([sys.executable, str(SCRIPT), "--hide-optional", "--skip-readme"], capture_output=True,
                          text=True, timeout=600)

@@ -115,8 +115,9 @@ PATHS = {"one_call": {}, "blocks": {"_SMALL_GRID": 0},
          "device_lists": {"_SMALL_GRID": 0, "_ANALYSIS_TILES": 8, "_DEVICE_LIST_ELEMENTS": 0}}
 
 
-# Two examples in the default suite (each builds and enumerates several masks); the
+# Two examples in make test-extra (each builds and enumerates several masks); the
 # `all` profile of `make test-all` keeps its 50.
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 @settings(deadline=None, max_examples=50 if os.environ.get("FLEXJAX_HYPOTHESIS") == "all" else 2)
 @given(data=st.data(), S=st.sampled_from([96, 200]), bs=st.sampled_from([16, (16, 32)]),
        path=st.sampled_from(sorted(PATHS)))
@@ -154,6 +155,7 @@ def test_unknown_primitive_falls_back_to_enumeration():
           flexjax.create_block_mask(odd, 1, 1, 100, 80, block_size=16, analyse=False))
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_compact_lists_and_max_blocks_per_row():
     bm = flexjax.create_block_mask(masks.sliding_window(64), None, None, 1024, 1024, block_size=32)
     # Each q block sees a partial, a full and a partial tile: lists of width 2 and 1, not 32.

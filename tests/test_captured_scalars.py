@@ -326,6 +326,7 @@ def _check_compiles(traced, kind):
 _SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 @_SETTINGS
 @given(_float_expr(3, True))
 def test_random_score_mods_compile_or_refuse(expr):
@@ -333,6 +334,7 @@ def test_random_score_mods_compile_or_refuse(expr):
     _check_compiles(traced, "score")
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 @_SETTINGS
 @given(_bool_expr(3))
 def test_random_mask_mods_compile_or_refuse(expr):

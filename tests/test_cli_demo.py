@@ -12,6 +12,7 @@ def _run(*args, timeout=120):
                           timeout=timeout, env={**os.environ, "MPLBACKEND": "Agg"})
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_demo_small():
     r = _run("demo", "--small")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -224,6 +224,7 @@ def _grad_hlo(case, shape, **kw):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, params).as_text()
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
     """dq, dk, dv come from the C++ backward; a learned table's gradient sends the call to the XLA loops."""
     shape = (1, 150, 150, 4, 2, 16, 32)
@@ -234,8 +235,10 @@ def test_backward_kernel_runs_unless_captured_arrays_need_gradients():
     assert "flexjax_cpu_backward" not in _grad_hlo(BY_NAME["causal"], shape, kernel_options={"cpu_kernel": False})
 
 
-# prepass in make test-all (make test's budget): "auto", which most backward tests take, is the prepass.
-@pytest.mark.parametrize("prep", [pytest.param("prepass", marks=pytest.mark.slow), "per_tile"])
+# prepass in make test-all, per_tile in make test-extra (make test's budget): "auto", which most backward tests
+# take, is the prepass.
+@pytest.mark.parametrize("prep", [pytest.param("prepass", marks=pytest.mark.slow),
+                                  pytest.param("per_tile", marks=pytest.mark.ci_extra)])
 def test_backward_prepares_q_do_and_delta_both_ways(prep, monkeypatch):
     """The backward's transposed q and dO and its delta come from a prepass (many visits per q
     tile) or from each visit (narrow bands, where the lists visit a q tile at most 4 times on
@@ -350,8 +353,10 @@ def test_parallel_runs_leave_thread_affinity_as_it_was():
         assert mask == before.get(tid, process), f"thread {tid}: affinity {mask}, was {before.get(tid, process)}"
 
 
-# float32 in make test-all (make test's budget): bfloat16 takes the same packing and widens its rows.
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
+# float32 in make test-all, bfloat16 in make test-extra (make test's budget): bfloat16 takes the same packing
+# and widens its rows.
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow),
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.ci_extra)])
 def test_decode_tiles_without_mods_pack_their_scores(dtype):
     """No score_mod: full decode tiles keep only their rows' scores, 16 / w columns to a vector
     (w: the tile's rows rounded up to a power of two; GQA groups of 1, 2, 3, 4 and 8 rows),

@@ -60,7 +60,8 @@ def decode_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("sq", [pytest.param(1, marks=pytest.mark.slow), 3,
+# (make test's budget: sq 3 in make test-extra; the others in make test-all.)
+@pytest.mark.parametrize("sq", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.ci_extra),
                                 pytest.param(17, marks=pytest.mark.slow)])
 def test_decode_path_matches_reference(sq, decode_calls):
     """GQA, ragged per-batch lengths, a captured-table score_mod: forward and gradients,
@@ -114,7 +115,8 @@ def test_decode_bfloat16():
     assert_close("bf16 decode", got, truth, ref16, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("sq", [1, pytest.param(3, marks=pytest.mark.slow)])
+# (make test's budget: sq 1 in make test-extra, sq 3 in make test-all.)
+@pytest.mark.parametrize("sq", [pytest.param(1, marks=pytest.mark.ci_extra), pytest.param(3, marks=pytest.mark.slow)])
 def test_decode_block_mask_matches_offset_mask(sq):
     """decode_block_mask(bm, positions, q_len) == the mask built for those positions directly
     (q_len = 1 gathers each sequence's row as it is; q_len = 3 unites the rows its queries
@@ -225,7 +227,8 @@ def test_pallas_packs_gqa_rows(monkeypatch):
     assert packed == [True]
 
 
-@pytest.mark.parametrize("sq", [1, pytest.param(3, marks=pytest.mark.slow)])
+# (make test's budget: sq 1 in make test-extra, sq 3 in make test-all.)
+@pytest.mark.parametrize("sq", [pytest.param(1, marks=pytest.mark.ci_extra), pytest.param(3, marks=pytest.mark.slow)])
 def test_pallas_packs_gqa_rows_of_mods_that_read_h(sq, monkeypatch):
     """Mods that read h pack a GQA group's heads into one tile too (GPU template, interpret
     mode here), each row getting its own head: ALiBi from a captured float table (hoisted

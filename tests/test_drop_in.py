@@ -100,7 +100,9 @@ def _compare(case, implementation, dtype=jnp.float32, tol=2e-5):
 
 
 # bias_per_head in make test-all (make test's budget); test_matches_jax_nn_on_reference[bias_per_head] runs it.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bias_per_head" else c
+# everything in make test-extra (make test's budget); the other cases run in make test.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bias_per_head"
+                                  else pytest.param(c, marks=pytest.mark.ci_extra) if c == "everything" else c
                                   for c in sorted(CASES)])
 def test_matches_jax_nn_on_xla(case):
     _compare(case, "xla")

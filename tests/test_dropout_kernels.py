@@ -146,6 +146,7 @@ def test_rate_zero_is_the_plain_kernel():
     assert "u32" not in jaxpr
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_residuals():
     """The forward's Residuals are the undropped rows' max and sum: max + log(sum) is lse; an
     empty row (sum 0) has max -inf, and the backward's recompute stats are 0 there."""

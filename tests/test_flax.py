@@ -34,6 +34,7 @@ def _nnx_pair(**kw):
     return mods
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_nnx_outputs_and_grads_match_flax():
     ref, ours = _nnx_pair()
     x = _x()
@@ -129,6 +130,7 @@ def test_flex_layer_matches_by_hand_under_jit_and_grad():
         np.testing.assert_allclose(a, b, atol=2e-4 * max(1.0, float(jnp.max(jnp.abs(b)))))
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_flex_layer_under_remat():
     layer, x = _layer(), _x()
 
@@ -218,6 +220,7 @@ def test_flex_layer_paged_decode_matches_contiguous_and_full_forward():
     assert not bool(layer.free_pages[...].any())
 
 
+@pytest.mark.ci_extra  # (make test-extra: 3-9 s; cheaper siblings run in make test)
 def test_flex_layer_paged_cache_shares_its_pool_and_raises_past_it():
     """A pool of 4 pages of 8 for two sequences of up to 24: full at 16 tokens each (a write
     past it raises, at run time under jit, and leaves the cache as it was); releasing sequence 0

@@ -44,11 +44,12 @@ ARCHS = {"sm_90a": 90, "sm_100a": 100}
 
 def _grid():
     shapes = [s for s in SHAPES if not s.startswith("small")]
-    # make test's budget: sm_90a's default entry runs there; sm_100a's (the same kernels with the
+    # make test's budget: sm_90a's default entry runs in make test-extra; sm_100a's (the same kernels with the
     # tcgen05 unit emulated) in make test-compile with every other sm_100a entry, while make test
     # lowers the real sm_100a kernels (test_backend_none_picks_mosaic_gpu_on_blackwell).
     out = [pytest.param(*DEFAULT, arch, id=f"default-{arch}-" + "-".join(map(str, DEFAULT[:2])),
-                        marks=() if arch == "sm_90a" else (pytest.mark.mosaic_gpu,)) for arch in ARCHS]
+                        marks=(pytest.mark.ci_extra,) if arch == "sm_90a" else (pytest.mark.mosaic_gpu,))
+           for arch in ARCHS]
     for n, name in enumerate(TAKEN):
         for dtype in (jnp.bfloat16, jnp.float16):
             shape = shapes[(n + (dtype == jnp.float16)) % len(shapes)]

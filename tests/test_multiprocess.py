@@ -8,10 +8,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "two_process.py"
 CHECKS = ("data parallel", "context parallel, ring", "context parallel, all-gather")
 
 
+@pytest.mark.ci_extra  # (make test-extra: 10-20 s on 2 cores)
 def test_two_processes_match_one_process():
     # The example kills both processes past --timeout; the outer timeout is a backstop.
     result = subprocess.run([sys.executable, str(EXAMPLE), "--timeout", "150"], capture_output=True, text=True,

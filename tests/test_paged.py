@@ -90,8 +90,10 @@ def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
         assert_close("paged pallas", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
 
 
-# pallas in make test-all (make test's budget): sinks and aux go through the shared epilogue.
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+# pallas in make test-all, xla in make test-extra (make test's budget): sinks and aux go through the shared
+# epilogue.
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.ci_extra),
+                                     pytest.param("pallas", marks=pytest.mark.slow)])
 def test_sinks_and_aux_lse(backend):
     """Attention sinks and AuxRequest(lse=True) through the page table: forward, lse and the
     gradients of q, the pools and the sinks equal flex_attention on the gathered cache, on

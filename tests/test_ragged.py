@@ -74,10 +74,10 @@ def _per_sequence(q, k_pages, v_pages, table, kv_lens, cu, score_mod, mask_mod):
     return dense(q, k_pages, v_pages, table, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu, jnp.int32))
 
 
-# (make test's budget: one case by default; the others in make test-all.)
+# (make test's budget: one case in make test-extra; the others in make test-all.)
 @pytest.mark.parametrize("backend,mask_name,dtype", [
     pytest.param("xla", "causal", jnp.float32, marks=pytest.mark.slow),
-    ("xla", "window", jnp.bfloat16),
+    pytest.param("xla", "window", jnp.bfloat16, marks=pytest.mark.ci_extra),
     pytest.param("pallas", "window", jnp.float32, marks=pytest.mark.slow),
     pytest.param("pallas", "causal", jnp.float16, marks=pytest.mark.slow),
     pytest.param("xla", "causal", jnp.float16, marks=pytest.mark.slow),
@@ -100,7 +100,9 @@ def test_ragged_matches_per_sequence(backend, mask_name, dtype):
     assert bool(jnp.all(jnp.isneginf(aux.lse[:, cu[-1]:])))
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+# (make test's budget: xla in make test-extra, pallas in make test-all.)
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.ci_extra),
+                                     pytest.param("pallas", marks=pytest.mark.slow)])
 def test_ragged_gradients(backend):
     """Gradients to the query and to the captured ALiBi slopes equal the per-sequence reference's."""
     cu, table, k_pages, v_pages, q, slopes = _setup()
@@ -167,7 +169,9 @@ def test_ragged_one_compile_for_changing_mixes():
     assert step._cache_size() == 1
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+# (make test's budget: xla in make test-extra, pallas in make test-all.)
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.ci_extra),
+                                     pytest.param("pallas", marks=pytest.mark.slow)])
 def test_write_and_attend_equals_write_then_attend(backend):
     """The fused call writes each new token at its logical position (dropping a token past
     the sequence's pages and padding rows) and attends over the written pages."""

@@ -103,8 +103,9 @@ BACKENDS = [pytest.param({"backend": "xla"}, id="xla"), pytest.param(PALLAS, id=
 
 # -- sinks -------------------------------------------------------------------------------
 
+# (make test's budget: xla-one_sink in make test-extra, the others in make test-all.)
 @pytest.mark.parametrize("backend_kw, n_sinks", [
-    pytest.param({"backend": "xla"}, None, id="xla-one_sink"),
+    pytest.param({"backend": "xla"}, None, id="xla-one_sink", marks=pytest.mark.ci_extra),
     pytest.param(PALLAS, 2, id="pallas-two_sinks", marks=pytest.mark.slow),
     pytest.param({"backend": "xla"}, 2, id="xla-two_sinks", marks=pytest.mark.slow),
     pytest.param(PALLAS, None, id="pallas-one_sink", marks=pytest.mark.slow),
@@ -180,6 +181,7 @@ def test_dropout_matches_dense_with_its_mask(rate):
         _close(g, g_r, 1e-4)
 
 
+@pytest.mark.ci_extra  # (make test-extra since make test reached 4:55; cheaper siblings run there)
 def test_dropout_is_the_same_for_every_tile_and_backend():
     q, k, v, table = _inputs(2)
     rng = jax.random.key(3)
