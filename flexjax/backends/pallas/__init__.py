@@ -66,10 +66,11 @@ def heuristics(target: str, block_size: tuple[int, int], head_dim: int, dtype=jn
     if target == "cuda":
         # Triton pads the head dim to a power of two (>= 16); above 256, the 256 row.
         d = min(max(64, 1 << (int(head_dim) - 1).bit_length()), 256)
-        fq, fk, fw, fs, bq_, bk_, bw, bs = PALLAS_SM90[(min(jnp.dtype(dtype).itemsize, 4), d)]
-        return KernelOptions(target=target, interpret=False, block_q=_fit(fq, bq), block_kv=_fit(fk, bkv),
-                             bwd_block_q=_fit(bq_, bq), bwd_block_kv=_fit(bk_, bkv), num_warps=fw,
-                             num_stages=fs, bwd_num_warps=bw, bwd_num_stages=bs)
+        fwd, bwd = PALLAS_SM90[(min(jnp.dtype(dtype).itemsize, 4), d)]
+        return KernelOptions(target=target, interpret=False, block_q=_fit(fwd.block_q, bq),
+                             block_kv=_fit(fwd.block_kv, bkv), bwd_block_q=_fit(bwd.block_q, bq),
+                             bwd_block_kv=_fit(bwd.block_kv, bkv), num_warps=fwd.num_warps,
+                             num_stages=fwd.num_stages, bwd_num_warps=bwd.num_warps, bwd_num_stages=bwd.num_stages)
     if target == "tpu":
         # Splash attention's defaults are 512-wide tiles; 128 is the lane width that every
         # kv tile must be a multiple of, and the smallest that keeps the MXU busy.

@@ -90,12 +90,14 @@ def heuristics(compute_capability: int, block_size: tuple[int, int], head_dim: i
         row = TRITON_SM90[key] if gathers else TRITON_SM90_NO_GATHER.get(key, TRITON_SM90[key])
     else:
         row = TRITON_SM80[key]
-    (fq, fk, fw, fs), (dq_q, dq_k, dq_w, dq_s), (kv_q, kv_k, kv_w, kv_s) = row
+    fwd, dq, dkv = row.fwd, row.dq, row.dkv
     return KernelOptions(target="cuda", interpret=False, compute_capability=int(compute_capability),
-                         block_q=_fit(fq, bq), block_kv=_fit(fk, bkv), num_warps=fw, num_stages=fs,
-                         bwd_block_q=_fit(dq_q, bq), bwd_block_kv=_fit(dq_k, bkv), bwd_num_warps=dq_w,
-                         bwd_num_stages=dq_s, dkv_block_q=_fit(kv_q, bq), dkv_block_kv=_fit(kv_k, bkv),
-                         dkv_num_warps=kv_w, dkv_num_stages=kv_s, autotune=False)
+                         block_q=_fit(fwd.block_q, bq), block_kv=_fit(fwd.block_kv, bkv), num_warps=fwd.num_warps,
+                         num_stages=fwd.num_stages, bwd_block_q=_fit(dq.block_q, bq),
+                         bwd_block_kv=_fit(dq.block_kv, bkv), bwd_num_warps=dq.num_warps,
+                         bwd_num_stages=dq.num_stages, dkv_block_q=_fit(dkv.block_q, bq),
+                         dkv_block_kv=_fit(dkv.block_kv, bkv), dkv_num_warps=dkv.num_warps,
+                         dkv_num_stages=dkv.num_stages, autotune=False)
 
 
 def _pow2_part(n: int) -> int:
