@@ -89,8 +89,6 @@ def platform_backends(platform: str | None = None) -> tuple[str, ...]:
 def kernel_option_names(name: str) -> tuple[str, ...]:
     """The ``kernel_options`` keys backend ``name`` takes (its KernelOptions fields and switches)."""
     backend = get_backend(name)
-    if getattr(backend, "OPTION_NAMES", None) is not None:  # a backend that takes only some of its fields
-        return tuple(backend.OPTION_NAMES) + tuple(getattr(backend, "SWITCHES", ()))
     options = getattr(backend, "KernelOptions", None)
     fields = tuple(f.name for f in dataclasses.fields(options)) if options is not None else ()
     return fields + tuple(getattr(backend, "SWITCHES", ()))

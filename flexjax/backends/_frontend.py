@@ -24,7 +24,7 @@ KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptionsBase:
+class TileOptions:
     """The kernel_options every kernel backend takes; a backend's ``KernelOptions`` adds its own.
 
     Tiles must divide the BlockMask's block or be multiples of it.
@@ -37,8 +37,8 @@ class KernelOptionsBase:
       block_q, block_kv: forward tile.
       bwd_block_q, bwd_block_kv: tile of the backward kernels (the triton backend's dQ kernel;
         its dK/dV kernel has its own ``dkv_*`` options).
-      num_warps, num_stages: forward Triton launch parameters (GPU).
-      bwd_num_warps, bwd_num_stages: backward Triton launch parameters (GPU).
+      num_stages, bwd_num_stages: pipeline depth of the forward's and the backward's loads
+        (Triton's stages, Mosaic GPU's TMA ring).
     """
 
     target: str | None = None
@@ -47,10 +47,20 @@ class KernelOptionsBase:
     block_kv: int | None = None
     bwd_block_q: int | None = None
     bwd_block_kv: int | None = None
-    num_warps: int | None = None
     num_stages: int | None = None
-    bwd_num_warps: int | None = None
     bwd_num_stages: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptionsBase(TileOptions):
+    """``TileOptions`` and the warps a Triton launch takes (pallas' Triton lowering, triton).
+
+    Attributes:
+      num_warps, bwd_num_warps: the forward's and the backward's Triton launch parameter (GPU).
+    """
+
+    num_warps: int | None = None
+    bwd_num_warps: int | None = None
 
 
 def target_and_interpret(spec, host_target: str | None) -> tuple[str | None, bool]:

@@ -34,7 +34,7 @@ from ..._modcompiler import compile_mod
 from .. import current_platform, platform_overridden
 from .._contract import Implementation, always, never_raises
 from .._frontend import (
-    KernelOptionsBase,
+    TileOptions,
     backward_inputs,
     backward_results,
     basic_reason,
@@ -69,8 +69,9 @@ CAPABILITIES = (90, 100)
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelOptions(KernelOptionsBase):
-    """Options of the mosaic_gpu backend.
+class KernelOptions(TileOptions):
+    """Options of the mosaic_gpu backend (no warps: every kernel runs three warpgroups, a producer and two
+    consumers).
 
     Attributes (beyond ``target``, ``interpret`` and the tiles):
       block_q: the forward's and dQ's CTA: two consumer warpgroups of 64 query rows on sm_90a (128),
@@ -88,10 +89,7 @@ class KernelOptions(KernelOptionsBase):
     compute_capability: int | None = None
 
 
-# num_warps does not apply: every kernel runs three warpgroups (a producer, two consumers).
-_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions) if "warps" not in f.name)
-# The kernel_options keys it takes (``backends.kernel_option_names``).
-OPTION_NAMES = _FIELDS
+_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 
 
 def _device_capability() -> int | None:
