@@ -69,6 +69,9 @@ def forward_name(name: str, spec, q, k_pages, v_pages, score_consts, mask_consts
     return impl
 
 
+NO_PAGED_PATH = "no paged path"
+
+
 def choose_paged(caller: str, backend, reason_of, *, warn: bool = True, forward_of=None) -> tuple[str, list]:
     """The named backend, or the first of the platform's (``backends.platform_backends``) with a paged path that
     serves the call, and (name, reason) for each passed over: the dense chooser's rule (a skipped backend
@@ -81,7 +84,7 @@ def choose_paged(caller: str, backend, reason_of, *, warn: bool = True, forward_
     for name in names:
         impl = get_backend(name)
         if not serves_paged(impl):
-            skipped.append((name, "no paged path"))
+            skipped.append((name, NO_PAGED_PATH))
             continue
         try:
             reason = reason_of(name)
@@ -92,7 +95,8 @@ def choose_paged(caller: str, backend, reason_of, *, warn: bool = True, forward_
         if reason is None:
             if _EXPLAINING.get():
                 raise _Chosen(name, skipped, forward_of(name) if forward_of is not None else "paged")
-            for other, why in skipped if warn else ():
+            # (A backend with no paged path is not a candidate: it is listed for explain, not warned about.)
+            for other, why in [(n, r) for n, r in skipped if r != NO_PAGED_PATH] if warn else ():
                 warnings.warn(f"flexjax: backend {other!r} cannot serve this {caller} call ({why}); using "
                               f"{name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
             return name, skipped
