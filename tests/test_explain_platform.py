@@ -110,3 +110,15 @@ def test_paged_on_cuda_names_triton_where_it_imports():
     kp = S((32, 64, K, D), jnp.bfloat16)
     exp = paged.explain(q, kp, kp, S((B, 16), jnp.int32), S((B,), jnp.int32), platform="cuda")
     assert exp.backend == "triton", str(exp)
+
+
+def test_paged_chooser_warns_for_refusals_not_for_backends_without_a_paged_path():
+    from flexjax._paged_core import choose_paged
+
+    with backends.for_platform("cuda"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        name, skipped = choose_paged("paged", None, lambda n: "a test refusal" if n == "triton" else None)
+    assert name == "pallas"
+    assert [n for n, _ in skipped] == ["mosaic_gpu", "triton"]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "'triton'" in messages[0] and "a test refusal" in messages[0], messages
