@@ -453,7 +453,7 @@ def explain(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, blo
     reading the pools through the table, every backend's) and the backends passed over, with why.
 
     ``platform`` ("cpu", "gpu" / "cuda", "tpu"; None: JAX's) asks what would run there, from any host.
-    Arguments may be arrays or ``jax.ShapeDtypeStruct``s where the call takes traced values; raises
+    Arguments may be arrays or ``jax.ShapeDtypeStruct`` values where the call takes traced ones; raises
     what the call raises for invalid arguments.
     """
     from ._api import Explanation
