@@ -131,5 +131,5 @@ def test_mosaic_gpu_without_its_package_refuses_with_the_extra(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"flexjax\[gpu\]"):
         flexjax.explain(q, q, q, backend="mosaic_gpu")
     with pytest.raises(NotImplementedError, match=r"flexjax\[gpu\]"):
-        mosaic_gpu.heuristics(64, (128, 128))
+        mosaic_gpu.heuristics(90)
     assert flexjax.explain(q, q, q).backend == "xla"
