@@ -14,30 +14,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._block_mask_type import (  # noqa: F401 (the type's names, re-exported, private ones included)
-    _LIST_CHUNK_ELEMENTS,
-    _VIEW_CHUNK_ELEMENTS,
+from ._block_mask_type import (  # noqa: F401 (_states_from_lists, block_states_of, noop_mask: imported from here)
     EMPTY,
     FULL,
     PARTIAL,
     BlockMask,
-    _cell_counts,
     _check_block_size,
     _check_dim,
-    _kv_band,
     _list_width,
-    _np_lists,
-    _serialize_aux,
-    _shifted,
     _states_from_lists,
     _with_kv_band,
     block_states_of,
     check_broadcast,
-    decode_block_mask,
     full_block_mask,
     lists_from_states,
     noop_mask,
-    select_rows,
 )
 from ._factory import eager_outside_abstract_mesh, named
 from ._trace import StaticMod, mod_name, trace_mod
