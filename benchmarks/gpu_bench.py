@@ -8,11 +8,11 @@ Sections (gpu_check.sh runs each as its own step, in this order):
 - ``timing``: bfloat16, B=4, Hq=16 over Hkv=4 (GQA), S=8192, D=128, causal and full; the
   forward alone and the backward alone, for ``triton``, ``pallas`` and cuDNN
   (``jax.nn.dot_product_attention(implementation="cudnn")``, causal as its flag).
-- ``sparsity``: a causal sliding window of 1024 and 8 causal documents at S=16384 and
-  32768 (B=1): the kernels against cuDNN given the same mask as a dense (1, 1, S, S)
-  boolean (which it turns into an additive bias and computes in full; its backward also
-  computes that bias's gradient, which JAX always asks cuDNN for, so the forward is the
-  cleaner comparison), and against cuDNN's own form where it has one (the window as
+- ``sparsity``: a causal sliding window of 1024 and 8 causal documents at S=32768 (the judged
+  length, first, so that a cut step still has it) and 16384 (B=1): the kernels against cuDNN
+  given the same mask as a dense (1, 1, S, S) boolean (which it turns into an additive bias
+  and computes in full; its backward also computes that bias's gradient, which JAX always asks
+  cuDNN for, so the forward is the cleaner comparison), and against cuDNN's own form where it has one (the window as
   ``local_window_size``; the equal documents as B*8 causal sequences of S/8, the same
   attention).
 - ``sweep``: triton, causal, the timing shape: a handful of (block_q, block_kv, num_warps,
@@ -89,7 +89,7 @@ DKV_POINTS = "32,128,8,3;64,64,8,3;64,128,8,3;16,64,8,3;32,64,8,3"
 MAX_MEASURE_S = 10.0
 
 DEFAULTS = {"timing": {"lengths": "8192", "batch": 4},
-            "sparsity": {"lengths": "16384,32768", "batch": 1, "reps": 3},
+            "sparsity": {"lengths": "32768,16384", "batch": 1, "reps": 3},  # the judged length first
             "sweep": {"lengths": "8192", "batch": 4}}
 COMMON = {"heads": "16,4", "head_dim": 128, "dtype": "bfloat16", "block": 128, "window": 1024, "calls": 20,
           "reps": 5, "baseline": "cudnn", "fwd_points": FWD_POINTS, "bwd_points": BWD_POINTS,
@@ -417,7 +417,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=240.0,
                    help="start no compile or measurement after this many seconds")
     p.add_argument("--deadline-at", type=float, help="nor after this time (seconds since the epoch, as date +%%s)")
-    p.add_argument("--lengths", help="comma-separated S (timing and sweep 8192; sparsity 16384,32768)")
+    p.add_argument("--lengths", help="comma-separated S (timing and sweep 8192; sparsity 32768,16384)")
     p.add_argument("--batch", type=int, help="B (timing and sweep 4; sparsity 1)")
     p.add_argument("--heads", help="query heads,kv heads (default 16,4)")
     p.add_argument("--head-dim", type=int, help="D (default 128)")
