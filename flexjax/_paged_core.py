@@ -74,37 +74,28 @@ NO_PAGED_PATH = "no paged path"
 
 def choose_paged(caller: str, backend, reason_of, *, warn: bool = True, forward_of=None) -> tuple[str, list]:
     """The named backend, or the first of the platform's (``backends.platform_backends``) with a paged path that
-    serves the call, and (name, reason) for each passed over: the dense chooser's rule (a skipped backend
-    warns; a named one that cannot serve raises). ``reason_of(name)``: why backend ``name`` cannot serve, or
-    None (its options' ValueError propagates for a named backend)."""
+    serves the call, and (name, reason) for each passed over: the dense chooser's walker and rule
+    (``_contract.first_serving``: an invalid option value raises; a skipped backend warns; a named one that
+    cannot serve raises). ``reason_of(name)``: why backend ``name`` cannot serve, or None."""
     from .backends import current_platform, platform_backends
+    from .backends._contract import Implementation, first_serving
 
     names = (backend,) if backend is not None else platform_backends()
-    skipped = []
-    for name in names:
-        impl = get_backend(name)
-        if not serves_paged(impl):
-            skipped.append((name, NO_PAGED_PATH))
-            continue
-        try:
-            reason = reason_of(name)
-        except ValueError as e:
-            if backend is not None:
-                raise
-            reason = str(e)
-        if reason is None:
-            if _EXPLAINING.get():
-                raise _Chosen(name, skipped, forward_of(name) if forward_of is not None else "paged")
-            # (A backend with no paged path is not a candidate: it is listed for explain, not warned about.)
-            for other, why in [(n, r) for n, r in skipped if r != NO_PAGED_PATH] if warn else ():
-                warnings.warn(f"flexjax: backend {other!r} cannot serve this {caller} call ({why}); using "
-                              f"{name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
-            return name, skipped
-        skipped.append((name, reason))
-    if backend is not None:
+    candidates = [Implementation(n, (lambda n=n, **_: reason_of(n)) if serves_paged(get_backend(n))
+                                 else (lambda **_: NO_PAGED_PATH)) for n in names]
+    name, skipped = first_serving(candidates, f"{caller} backend choice", or_none=True)
+    if name is None and backend is not None:
         raise NotImplementedError(f"backend {backend!r} cannot serve this {caller} call: {skipped[0][1]}")
-    raise NotImplementedError(f"no backend can serve this {caller} call on {current_platform()}: "
-                              + "; ".join(f"{n}: {r}" for n, r in skipped))
+    if name is None:
+        raise NotImplementedError(f"no backend can serve this {caller} call on {current_platform()}: "
+                                  + "; ".join(f"{n}: {r}" for n, r in skipped))
+    if _EXPLAINING.get():
+        raise _Chosen(name, skipped, forward_of(name) if forward_of is not None else "paged")
+    # (A backend with no paged path is not a candidate: it is listed for explain, not warned about.)
+    for other, why in [(n, r) for n, r in skipped if r != NO_PAGED_PATH] if warn else ():
+        warnings.warn(f"flexjax: backend {other!r} cannot serve this {caller} call ({why}); using {name!r}. "
+                      f"Pass backend={name!r} to choose it explicitly.", stacklevel=4)
+    return name, skipped
 
 
 def spec_reason(name: str, spec, q, k_pages, v_pages, lists, scales) -> str | None:

@@ -301,7 +301,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         return next((r for _, r in calls if r is not None), None)
 
     name, _ = choose_paged("ragged", backend, reason_of,
-                           forward_of=lambda n: forward_name(*plans[n][4][0][:7]))
+                           forward_of=lambda n: forward_name(*plans[n][4][0][:7]))  # (the wide class's call)
     wide, narrow, is_narrow, starts, calls = plans[name]
     out_w, lse_w, ms_w = _paged(*calls[0])
     out_n, lse_n, ms_n = _paged(*calls[1])
