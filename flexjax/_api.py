@@ -24,6 +24,7 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
     check_qkv,
     check_scale,
     check_sinks,
+    min_scores_pass,
     results,
     trace_score,
 )
@@ -117,8 +118,8 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       scale: factor on q·k; default ``1/sqrt(head_dim)``.
       return_lse: also return the log-sum-exp, float32 (float64 for float64 inputs),
         (batch, q_heads, q_len).
-      return_aux: an ``AuxRequest``: return ``(out, AuxOutput(lse=..., max_scores=...))``
-        instead (not together with ``return_lse``).
+      return_aux: an ``AuxRequest``: return ``(out, AuxOutput(lse=..., max_scores=...,
+        min_scores=...))`` instead (not together with ``return_lse``).
       sinks: learnable attention sinks (gpt-oss), float (q_heads,) or (q_heads, n_sinks):
         logits that join every row's softmax denominator and contribute no value:
         ``out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + sum_k exp(sinks[h, k]))``. The
@@ -144,7 +145,7 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
     B, Sq, Hq, D = query.shape
     sinks = check_sinks(sinks, Hq)
-    want_max = return_aux is not None and return_aux.max_scores
+    want_max = return_aux is not None and (return_aux.max_scores or return_aux.min_scores)
     want_lse = return_lse or sinks is not None or (return_aux is not None and return_aux.lse)
     if _sharded_dispatch is not None:
         sharded = _sharded_dispatch(query, key, value, score_mod, block_mask, scale=scale,
@@ -157,7 +158,11 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     impl, _ = _choose_backend(backend, call.spec, query, key, value)
     out, lse, max_scores = _attention_jit(impl.NAME, call.spec, query, key, value, call.score_consts,
                                           call.mask_consts, call.lists, seed)
-    return results(out, lse, max_scores, sinks, return_lse, return_aux)
+    min_scores = min_scores_pass(
+        lambda mod, aux, qkv: flex_attention(*qkv, mod, block_mask, scale=scale, return_aux=aux, backend=backend,
+                                             kernel_options=kernel_options),
+        score_mod, return_aux, (query, key, value))
+    return results(out, lse, max_scores, sinks, return_lse, return_aux, min_scores)
 
 
 class _Call(NamedTuple):

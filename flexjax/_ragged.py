@@ -43,7 +43,7 @@ from ._paged_core import (
     forward_name,
     spec_reason,
 )
-from ._spec import AttentionSpec, check_scale, check_sinks, results
+from ._spec import AttentionSpec, check_scale, check_sinks, min_scores_pass, results
 from ._trace import trace_mod
 from .backends import get_backend
 from .backends._contract import TileLists
@@ -217,8 +217,8 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         jaxpr on (sequence, the q tile's positions, kv tile) decides, at run time.
       scale: the factor on q·k (default ``1/sqrt(D)``).
       sinks: float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``.
-      return_aux: an ``AuxRequest``: ``(out, AuxOutput)`` with ``lse`` and ``max_scores``
-        shaped (Hq, T), as ``flexjax.flex_attention``'s without the batch axis.
+      return_aux: an ``AuxRequest``: ``(out, AuxOutput)`` with ``lse``, ``max_scores`` and
+        ``min_scores`` shaped (Hq, T), as ``flexjax.flex_attention``'s without the batch axis.
       backend: None: the platform's first backend with a paged path that serves the call (as
         ``paged.flex_attention``; ``paged.explain(..., cu_q_lens=...)`` says which); "xla" (on
         CPU the C++ kernel where it compiles the mods),
@@ -320,11 +320,17 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         return jnp.where(live[:, None], v, -jnp.inf).T
 
     lse, ms = rows_of(lse_w, lse_n), rows_of(ms_w, ms_n)
-    res = results(out[None], lse[None], ms[None], sinks, False, return_aux)
+    min_scores = min_scores_pass(
+        lambda mod, aux, arrays: flex_attention_ragged(*arrays, page_table, kv_lengths, cu_q_lens, score_mod=mod,
+                                                       mask_mod=mask_mod, scale=scale, return_aux=aux,
+                                                       backend=backend, kernel_options=kernel_options,
+                                                       k_scale=k_scale, v_scale=v_scale),
+        score_mod, return_aux, (query, k_pages, v_pages))
+    res = results(out[None], lse[None], ms[None], sinks, False, return_aux,
+                  None if min_scores is None else min_scores[None])
     if return_aux is not None:
         out, aux = res
-        return out[0], type(aux)(lse=None if aux.lse is None else aux.lse[0],
-                                 max_scores=None if aux.max_scores is None else aux.max_scores[0])
+        return out[0], type(aux)(*(None if a is None else a[0] for a in aux))
     return res[0]
 
 

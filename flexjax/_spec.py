@@ -145,10 +145,14 @@ class AuxRequest(NamedTuple):
       max_scores: each row's maximum of the modified, unmasked scores, float32 (B, Hq,
         Sq), ``-inf`` on rows with no allowed key (for monitoring or clipping logits, as
         QK-clip does). Not differentiated (its tangent and cotangent are zero).
+      min_scores: each row's minimum of the modified, unmasked scores, float32 (B, Hq, Sq),
+        ``+inf`` on rows with no allowed key. Not differentiated. It costs one more forward
+        pass (``min_scores_pass``: the backend's ``max_scores`` of the negated scores).
     """
 
     lse: bool = False
     max_scores: bool = False
+    min_scores: bool = False
 
 
 class AuxOutput(NamedTuple):
@@ -156,6 +160,7 @@ class AuxOutput(NamedTuple):
 
     lse: jax.Array | None = None
     max_scores: jax.Array | None = None
+    min_scores: jax.Array | None = None
 
 
 def check_sinks(sinks, Hq):
@@ -199,13 +204,37 @@ def with_sinks(out, lse, sinks):
     return out_all.astype(out.dtype), total
 
 
-def results(out, lse, max_scores, sinks, return_lse, return_aux):
+def results(out, lse, max_scores, sinks, return_lse, return_aux, min_scores=None):
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None,
-                              max_scores=max_scores if return_aux.max_scores else None)
+                              max_scores=max_scores if return_aux.max_scores else None,
+                              min_scores=min_scores if return_aux.min_scores else None)
     return (out, lse) if return_lse else out
+
+
+def negated(score_mod):
+    """The score_mod whose scores are ``score_mod``'s negated (``-score`` for None)."""
+
+    def neg(score, b, h, q_idx, kv_idx):
+        return -(score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx))
+
+    neg.__name__ = f"-{getattr(score_mod, '__name__', 'score') if score_mod is not None else 'score'}"
+    return neg
+
+
+def min_scores_pass(call, score_mod, return_aux, arrays):
+    """Answers ``AuxRequest(min_scores=True)`` for an entry point: ``call(score_mod, return_aux, arrays)``
+    is the entry point with everything else bound. The minimum of the modified scores is minus the
+    maximum of their negation, which every backend's forward already returns (``max_scores``), so
+    each backend serves it exactly, in one more forward pass over the same tiles, from
+    ``stop_gradient`` inputs (min_scores is not differentiated). None when not requested."""
+    if return_aux is None or not return_aux.min_scores:
+        return None
+    still = [jax.lax.stop_gradient(a) for a in arrays]
+    _, aux = call(negated(score_mod), AuxRequest(max_scores=True), still)
+    return -aux.max_scores
 
 
 def zero_cotangent(x):

@@ -63,6 +63,7 @@ from ._spec import (
     check_qkv,
     check_scale,
     check_sinks,
+    min_scores_pass,
     results,
     trace_score,
 )
@@ -369,8 +370,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
         block mask is built for ``(Sq, max_pages * page_size)`` and its kv block must
         divide ``page_size``.
       return_aux: an ``AuxRequest`` for ``(out, AuxOutput)``, as in
-        ``flexjax.flex_attention`` (``lse`` and ``max_scores``, each row's maximum of
-        the modified, unmasked scores over the sequence's valid keys; -inf where none).
+        ``flexjax.flex_attention`` (``lse``, and ``max_scores`` / ``min_scores``, each row's
+        maximum / minimum of the modified, unmasked scores over the sequence's valid keys;
+        -inf / +inf where none).
       sinks: attention sinks, float (Hq,) or (Hq, n_sinks), as in ``flexjax.flex_attention``
         (logits joining every row's normalizer; ``jax.grad`` reaches them).
       dropout_rate, dropout_rng: as in ``flexjax.flex_attention``; the paged kernels are
@@ -440,7 +442,12 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
                                                              mask_consts))
     out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists,
                                   (pt, scales))
-    return results(out, lse, max_scores, sinks, return_lse, return_aux)
+    min_scores = min_scores_pass(
+        lambda mod, aux, arrays: flex_attention(*arrays, page_table, kv_lengths, mod, block_mask, scale=scale,
+                                                return_aux=aux, backend=backend, kernel_options=kernel_options,
+                                                k_scale=k_scale, v_scale=v_scale),
+        score_mod, return_aux, (query, k_pages, v_pages))
+    return results(out, lse, max_scores, sinks, return_lse, return_aux, min_scores)
 
 
 def explain(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, block_mask=None, *, cu_q_lens=None,

@@ -270,6 +270,37 @@ def test_traced_block_mask_under_jit(target):
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("target", _params())
+def test_max_and_min_scores(target):
+    """AuxRequest(max_scores=True, min_scores=True): each row's max / min of the modified, unmasked scores
+    (-inf / +inf on rows with no key) against float64 NumPy; min_scores is not differentiated."""
+    B, Sq, Skv, Hq, Hkv, D, _ = SHAPES["mqa_ragged"]
+    q, k, v, _ = inputs(SHAPES["mqa_ragged"], jnp.float32)
+    table = jnp.linspace(-2.0, 3.0, Hq * Skv, dtype=jnp.float32).reshape(Hq, Skv)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, kv_idx]
+
+    def late_causal(b, h, q_idx, kv_idx):  # rows 0..9 see no key
+        return (q_idx >= kv_idx) & (q_idx >= 10)
+
+    bm = flexjax.create_block_mask(late_causal, None, None, Sq, Skv, block_size=64)
+    want_aux = flexjax.AuxRequest(max_scores=True, min_scores=True)
+    out, aux = flexjax.flex_attention(q, k, v, bias, bm, return_aux=want_aux, **target.kw())
+    qd, kd = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), Hq // Hkv, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", qd, kd) / np.sqrt(D) + np.asarray(table, np.float64)[None, :, None, :]
+    qi, ki = np.arange(Sq)[:, None], np.arange(Skv)[None, :]
+    ok = (qi >= ki) & (qi >= 10)
+    for got, want in ((aux.max_scores, np.where(ok, s, -np.inf).max(-1)), (aux.min_scores, np.where(ok, s, np.inf).min(-1))):
+        assert got.shape == (B, Hq, Sq) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert np.isposinf(np.asarray(aux.min_scores[:, :, :10])).all()
+    assert aux.lse is None
+    g = jax.grad(lambda q: flexjax.flex_attention(q, k, v, bias, bm, return_aux=want_aux, **target.kw())[1]
+                 .min_scores.clip(-50.0, 50.0).sum())(q)
+    assert not np.asarray(g).any()
+
+
 # -- dropout (the harness of test_dropout_kernels.py: the backend's forward and backward
 # against jax.vjp of the dense math with the same keep mask) -----------------------------------
 

@@ -529,7 +529,7 @@ def maybe_sharded_attention(query, key, value, score_mod=None, block_mask=None, 
         specs = None
     if specs is None or set(specs.names()) & set(jax.sharding.get_abstract_mesh().manual_axes):
         return NotImplemented
-    for wanted, what in ((dropout, "dropout_rate > 0"), (max_scores, "return_aux=AuxRequest(max_scores=True)")):
+    for wanted, what in ((dropout, "dropout_rate > 0"), (max_scores, "return_aux=AuxRequest(max_scores=True) or (min_scores=True)")):
         if wanted:
             # Each shard sees local b/h/positions: its dropout hash and row maxima would need
             # the global ones mapped in, which the sharded path does not do yet.
