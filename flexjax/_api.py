@@ -7,14 +7,14 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from . import _dropout
 from ._autodiff import attention_jvp
-from ._block_mask_type import BlockMask, full_block_mask
+from ._block_mask_type import BlockMask
 from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are public here)
     AttentionSpec,
     AuxOutput,
@@ -25,55 +25,17 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
     check_scale,
     check_sinks,
     min_scores_pass,
+    prepare,
     results,
     trace_score,
 )
 from .backends import (
-    available_backends,
-    current_platform,
     for_platform,
     get_backend,
     implementations,
-    kernel_option_names,
     platform_backends,
 )
-from .backends._contract import Implementation, TileLists, first_serving
-
-
-def _and(names) -> str:
-    """'a', 'a' and 'b', 'a', 'b' and 'c'."""
-    quoted = [repr(n) for n in names]
-    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
-
-
-def _options_tuple(kernel_options, backend) -> tuple:
-    """``kernel_options`` as a sorted tuple, after checking every key against the backends.
-
-    A key no backend takes (a typo) and a key the chosen backend(s) do not take are
-    ValueErrors naming the keys of every backend.
-    """
-    if kernel_options is None:
-        return ()
-    if not isinstance(kernel_options, dict):
-        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
-    for k in kernel_options:
-        if not isinstance(k, str):
-            raise TypeError(f"kernel_options keys must be strings, got {k!r}")
-    known = {name: kernel_option_names(name) for name in available_backends()}
-    listing = "; ".join(f"{name}: {', '.join(keys) if keys else '(none)'}" for name, keys in known.items())
-    candidates = platform_backends() if backend is None else (get_backend(backend).NAME,)
-    for k in sorted(kernel_options):
-        takers = [name for name, keys in known.items() if k in keys]
-        if not takers:
-            raise ValueError(f"unknown kernel_options key {k!r}; the backends take {listing}")
-        if not any(name in takers for name in candidates):
-            chosen = f"backend={backend!r}" if backend is not None else (
-                f"backend=None (which picks from {list(candidates)} on {current_platform()})")
-            raise ValueError(
-                f"kernel_options key {k!r} is taken by backend {_and(takers)}, not by {chosen}; "
-                f"pass backend={takers[0]!r} or drop the key. The backends take {listing}")
-    return tuple(sorted(kernel_options.items()))
-
+from .backends._contract import Implementation, first_serving
 
 # flexjax.sharding, a layer above this module, installs its dispatch here when it is
 # imported (flexjax/__init__.py imports it): under `attention_specs(...)`, or for q/k/v
@@ -154,7 +116,7 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         if sharded is not NotImplemented:
             out, lse = sharded if want_lse else (sharded, None)
             return results(out, lse, None, sinks, return_lse, return_aux)
-    call = _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, backend, rate)
+    call = _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate)
     impl, _ = _choose_backend(backend, call.spec, query, key, value)
     out, lse, max_scores = _attention_jit(impl.NAME, call.spec, query, key, value, call.score_consts,
                                           call.mask_consts, call.lists, seed)
@@ -165,27 +127,11 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     return results(out, lse, max_scores, sinks, return_lse, return_aux, min_scores)
 
 
-class _Call(NamedTuple):
-    spec: AttentionSpec
-    score_consts: tuple
-    mask_consts: tuple
-    lists: TileLists
-
-
-def _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, backend, rate) -> _Call:
-    """The call's spec (its mods traced), captured arrays and tile lists; checks scale and block_mask."""
-    B, Sq, Hq, D = query.shape
-    Skv = key.shape[1]
-    scale = check_scale(scale, D)
-    if block_mask is None:
-        block_mask = full_block_mask(1, 1, Sq, Skv)
-    check_block_mask(block_mask, query.shape, Skv)
-    score, score_consts = trace_score(score_mod, query.dtype)
-    spec = AttentionSpec(score=score, mask=block_mask.mask, scale=scale, q_len=Sq,
-                         kv_len=Skv, block_size=block_mask.block_size,
-                         kernel_options=_options_tuple(kernel_options, backend),
-                         kv_band=block_mask.kv_band, dropout_rate=rate)
-    return _Call(spec, score_consts, tuple(block_mask.mask_consts), block_mask.tile_lists())
+def _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate):
+    if block_mask is not None:
+        check_block_mask(block_mask, query.shape, key.shape[1])
+    return prepare(query, key.shape[1], score_mod, block_mask, scale=scale, kernel_options=kernel_options,
+                   backend=backend, dropout_rate=rate)
 
 
 def _supports(candidate, name, spec, query, key, value):
@@ -284,7 +230,7 @@ def _explain(query, key, value, score_mod, block_mask, scale, dropout_rate, drop
     check_qkv(query, key, value)
     rate = _dropout.check_rate(dropout_rate)
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
-    call = _prepare(query, key, value, score_mod, block_mask, scale, kernel_options, backend, rate)
+    call = _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate)
     impl, skipped = _choose_backend(backend, call.spec, query, key, value, warn=False)
     context = dict(spec=call.spec, q=query, k=key, v=value, score_consts=call.score_consts,
                    mask_consts=call.mask_consts, lists=call.lists, dropout_seed=seed)

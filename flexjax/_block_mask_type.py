@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._factory import eager_outside_abstract_mesh, entry, int_array
-from ._trace import StaticMod, trace_mod
+from ._trace import StaticMod, remapped, trace_mod
 from .backends._contract import TileLists
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -261,6 +261,55 @@ class BlockMask:
         return cls(*lists_from_states(states), mask_consts, seq_lengths=seq_lengths,
                    block_size=block_size, mask=mask)
 
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
+                       block_size: int | tuple[int, int] | None = None, mask_mod: Callable | None = None,
+                       seq_lengths: tuple[int, int] | None = None, *,
+                       BLOCK_SIZE: int | tuple[int, int] | None = None) -> BlockMask:
+        """A BlockMask from per-q-block lists of kv blocks, with PyTorch FlexAttention's semantics.
+
+        Row ``i`` of ``kv_indices[b, h]`` names q block ``i``'s partial kv blocks in its first
+        ``kv_num_blocks[b, h, i]`` entries (the rest are ignored): there ``mask_mod`` decides pair
+        by pair (without one, every pair attends). ``full_kv_*`` name the blocks taken whole,
+        without ``mask_mod``. Every other block is skipped; a row with no block gives output 0.
+        Positions past ``seq_lengths`` are masked in every block. Indices may come in any order;
+        a block listed twice counts once, and a block listed both partial and full is full.
+
+        Built on device in jnp, with list widths that depend on the shapes only (kv lists
+        ``min(nKV, W + Wf)`` wide, q lists ``nQ``; ``kv_band`` None): the lists may be traced
+        inside ``jit``, and one compile serves every index set of the same shapes. The
+        BlockMask's mask_mod, ``from_kv_blocks(<mask_mod>)``, captures the lists as (B, H, nQ,
+        nKV) bool arrays: it is the mask they stand for, wherever a backend evaluates it.
+
+        Args:
+          kv_num_blocks: int (B, H, nQ), partial blocks per q block.
+          kv_indices: int (B, H, nQ, W), their kv block indices.
+          full_kv_num_blocks: int (B', H', nQ), full blocks per q block; with ``full_kv_indices``
+            or not at all.
+          full_kv_indices: int (B', H', nQ, Wf), their kv block indices. B' / H' are B / H or 1
+            (broadcast); B and H may be 1 to broadcast over the query's batch / heads.
+          block_size: an int or ``(block_q, block_kv)``; default 128.
+          mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for the partial blocks, or None.
+            One that reads ``b`` (``h``) needs lists with B (H) equal to the query's.
+          seq_lengths: ``(Q_LEN, KV_LEN)``; default ``(nQ * block_q, W * block_kv)``, as PyTorch's.
+          BLOCK_SIZE: PyTorch's name for ``block_size`` (give one of them).
+
+        Returns:
+          A BlockMask of shape ``(B, H, Q_LEN, KV_LEN)``.
+
+        Raises:
+          TypeError: a list is not an integer array, or a bad ``mask_mod``.
+          ValueError: shapes that do not fit each other or ``seq_lengths`` (nQ must be
+            ``ceil(Q_LEN / block_q)``), ``full_kv_*`` half given, both ``block_size`` and
+            ``BLOCK_SIZE``; a count outside ``[0, min(W, nKV)]`` or a listed index outside
+            ``[0, nKV)``, ``nKV = ceil(KV_LEN / block_kv)``: at once for concrete lists, when the
+            computation runs for traced ones (``flexjax.paged.set_runtime_checks`` turns that off).
+        """
+        from ._from_kv_blocks import from_kv_blocks
+
+        return from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size,
+                              mask_mod, seq_lengths, BLOCK_SIZE=BLOCK_SIZE)
+
     # -- views --------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -465,16 +514,6 @@ def _kv_band(bm: BlockMask) -> int | None:
 
 # -- rows at other positions (decode steps, q-block slices) ---------------------------------
 
-def _shifted(mask, consts, shift, q_len_orig: int) -> Callable:
-    """``mask`` with ``q_idx`` moved by ``shift`` (a scalar or (B,) array), clamped into range."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask(consts, b, h, jnp.minimum(q_idx + entry(shift, b), q_len_orig - 1), kv_idx)
-
-    mask_mod.__name__ = f"{mask.name}@q+offset"
-    return mask_mod
-
-
 def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
     """A BlockMask of ``q_len`` queries whose q block ``i`` is the union of ``bm``'s q-block
     rows ``lo[..., i]`` and ``hi[..., i]``, with the mask_mod's ``q_idx`` shifted by ``shift``.
@@ -515,8 +554,11 @@ def select_rows(bm: BlockMask, lo, hi, shift, q_len: int) -> BlockMask:
         lists = lists_from_states(united)
     mask, consts = bm.mask, ()
     if bm.mask is not None:
-        traced = trace_mod(_shifted(bm.mask, bm.mask_consts, shift, bm.seq_lengths[0]), "mask",
-                           arg_name="mask_mod")
+        # q_idx moved by ``shift`` (a scalar or (B,) array), clamped into range.
+        q_last = bm.seq_lengths[0] - 1
+        shifted = remapped("mask", bm.mask_mod, name=f"{bm.mask.name}@q+offset", index=lambda b, h, q_idx, kv_idx: (
+            b, h, jnp.minimum(q_idx + entry(shift, b), q_last), kv_idx))
+        traced = trace_mod(shifted, "mask", arg_name="mask_mod")
         mask, consts = traced.static(), traced.consts
     out = BlockMask(*lists, consts, seq_lengths=(q_len, bm.seq_lengths[1]), block_size=bm.block_size,
                     mask=mask)

@@ -6,17 +6,22 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import warnings
 
 import jax
-import jax.extend.backend
 import jax.numpy as jnp
 import numpy as np
 
 from . import _quant
-from ._factory import int_array
-from .backends import available_backends, get_backend
+from ._factory import (  # noqa: F401 (built_here, set_runtime_checks, _cross_lowering, _has_runtime: imported from here)
+    _cross_lowering,
+    _has_runtime,
+    built_here,
+    fail_on_host,
+    int_array,
+    set_runtime_checks,
+)
+from .backends import available_backends, get_backend, options_tuple
 
 
 def serves_paged(impl) -> bool:
@@ -33,9 +38,7 @@ def check_backend(caller: str, backend, kernel_options) -> None:
     if backend is not None and backend not in paged_backends:
         raise NotImplementedError(f"{caller} has paths on the {', '.join(paged_backends)} backends; got "
                                   f"backend={backend!r}: pass backend=None or one of {paged_backends}")
-    from ._api import _options_tuple
-
-    _options_tuple(kernel_options, backend)
+    options_tuple(kernel_options, backend)
 
 
 class _Chosen(Exception):
@@ -119,88 +122,6 @@ def paged_reason(impl, spec, q, k_pages, v_pages, lists, scales) -> str | None:
     if reason is None and scales is not None:
         reason = impl.supports_quantized(spec, q, k_pages)
     return reason
-
-
-# Whether traced page tables, lengths and ragged layouts are checked when the step runs (a host callback
-# that fires only on a bad input; ``flexjax.paged.runtime_checks`` turns it off).
-RUNTIME_CHECKS = os.environ.get("FLEXJAX_RUNTIME_CHECKS", "1") != "0"
-
-
-def set_runtime_checks(enabled: bool) -> bool:
-    """Turns the run-time checks of traced page tables, lengths and ragged layouts on or off; returns the
-    previous setting. It applies to steps traced after the call (a jitted step keeps what it was traced
-    with). Eager calls are always checked."""
-    global RUNTIME_CHECKS
-    previous, RUNTIME_CHECKS = RUNTIME_CHECKS, bool(enabled)
-    return previous
-
-
-@contextlib.contextmanager
-def built_here():
-    """Traced page tables and lengths built by the caller itself (the Flax layer's ``reserve`` and its own checked
-    lengths) skip the run-time check inside: they are right by construction, and a decode step saves a
-    conditional a layer."""
-    global RUNTIME_CHECKS
-    previous, RUNTIME_CHECKS = RUNTIME_CHECKS, False
-    try:
-        yield
-    finally:
-        RUNTIME_CHECKS = previous
-
-
-def _cross_lowering() -> bool:
-    """Lowering for a platform this process has no runtime for (an AOT compile for a GPU or TPU from a host
-    without one, under a mesh of topology devices or an abstract mesh of an abstract device): XLA cannot lower
-    a host callback there, and the executable cannot run in this process anyway."""
-    from jax._src import mesh as mesh_lib
-
-    concrete = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
-    if concrete is not None and not concrete.empty:
-        platform = concrete.devices.flat[0].platform
-    else:
-        mesh = jax.sharding.get_abstract_mesh()
-        device = getattr(mesh, "abstract_device", None)
-        if mesh.empty or device is None:
-            return False
-        platform = getattr(device, "platform", "cpu")
-    return not _has_runtime(platform)
-
-
-@functools.cache
-def _has_runtime(platform: str) -> bool:
-    try:
-        jax.extend.backend.get_backend(platform)
-    except RuntimeError:
-        return False
-    return True
-
-
-def fail_on_host(ok, fail, *args) -> jax.Array:
-    """Raises ``fail(*args)`` when ``ok`` is False: eagerly now, under jit when the computation runs.
-
-    Returns an int32 0 that the caller adds into a value the call goes on to use. Under jit the check is a
-    ``lax.cond`` whose false branch is a ``pure_callback`` (it raises on the host): nothing crosses to the
-    host while ``ok`` holds. A pure callback, unlike ``debug.callback``, carries no side effect, which on
-    XLA:CPU cost each step about 50 us whatever the branch (measured); XLA drops a pure callback whose result
-    is unused, hence the 0 to thread through. The callback checks ``ok`` itself, so under ``vmap`` (where
-    the cond becomes a select of both branches) it raises only for a bad input.
-    """
-    if not isinstance(ok, jax.core.Tracer):
-        if not bool(ok):
-            fail(*(np.asarray(a) for a in args))
-        return jnp.int32(0)
-    if not RUNTIME_CHECKS or _cross_lowering():
-        return jnp.int32(0)
-
-    def host(good, *a):
-        if not bool(good):
-            fail(*(np.asarray(x) for x in a))
-        return np.int32(0)
-
-    def check(good, *a):
-        return jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.int32), good, *a, vmap_method="sequential")
-
-    return jax.lax.cond(ok, lambda good, *a: jnp.int32(0), check, ok, *args)
 
 
 def check_pages(caller: str, page_table, kv_lengths, num_pages: int, page_size: int,

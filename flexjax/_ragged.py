@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._block_mask_type import EMPTY, FULL, PARTIAL, lists_from_states
+from ._block_mask_type import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
 from ._factory import int_array
 from ._paged_core import (
     _logical_like,
@@ -43,10 +43,9 @@ from ._paged_core import (
     forward_name,
     spec_reason,
 )
-from ._spec import AttentionSpec, check_scale, check_sinks, min_scores_pass, results
-from ._trace import trace_mod
+from ._spec import check_scale, check_sinks, min_scores_pass, prepare, results
+from ._trace import mod_name, remapped, trace_mod
 from .backends import get_backend
-from .backends._contract import TileLists
 
 # Packed rows (q tile rows x GQA group) of a prefill q tile, and the most queries a sequence
 # may have to get a decode tile of its own (one query: its GQA heads fill the tile's rows,
@@ -144,33 +143,25 @@ def _tile_states(user_mask, tiles: _Tiles, lengths, Hm: int, bkv: int, nkv: int)
     return st[:, :, None, :]
 
 
-def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths, q_dtype):
+def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths):
     """The mods of the virtual batch: ``b`` is a tile, ``q_idx`` a row of it; the user's mods
-    get the sequence and logical positions. Returns (score StaticMod, consts, mask, consts)."""
-    from .backends._common import acc_dtype
-
+    get the sequence and logical positions. Returns (the score_mod or None, the traced mask)."""
     seq, pos, rows, kvl = tiles.seq, tiles.pos, tiles.rows, lengths[tiles.seq]
     user_mask = mask_mod if mask_mod is not None else _causal
 
-    def mask(b, h, q_idx, kv_idx):
-        ok = (q_idx < rows[b]) & (kv_idx < kvl[b])
-        return ok & user_mask(seq[b], h, pos[b] + q_idx, kv_idx)
+    def index(b, h, q_idx, kv_idx):
+        return seq[b], h, pos[b] + q_idx, kv_idx
 
-    mask.__name__ = f"ragged({getattr(user_mask, '__name__', 'mask_mod')})"
-    traced = trace_mod(mask, "mask", arg_name="mask_mod")
-    score, score_consts = None, ()
-    if score_mod is not None:
-        def score_fn(score, b, h, q_idx, kv_idx):
-            return score_mod(score, seq[b], h, pos[b] + q_idx, kv_idx)
+    def in_use(b, h, q_idx, kv_idx):  # the tile's rows in use, the sequence's keys
+        return (q_idx < rows[b]) & (kv_idx < kvl[b])
 
-        score_fn.__name__ = f"ragged({getattr(score_mod, '__name__', 'score_mod')})"
-        st = trace_mod(score_fn, "score", arg_name="score_mod", score_dtype=acc_dtype(q_dtype))
-        score, score_consts = st.static(), tuple(st.consts)
-    return score, score_consts, traced.static(), tuple(traced.consts)
+    mask = remapped("mask", user_mask, index=index, also=in_use, name=f"ragged({mod_name(user_mask)})")
+    return (remapped("score", score_mod, index=index, name=f"ragged({mod_name(score_mod)})"),
+            trace_mod(mask, "mask", arg_name="mask_mod"))
 
 
 def _class_call(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
-                bkv, kernel_options, scales):
+                bkv, kernel_options, backend, scales):
     """One tile class's call on backend ``name``: (its ``_paged`` arguments, why ``name`` cannot serve it or
     None)."""
     T, Hq, D = query.shape
@@ -178,13 +169,14 @@ def _class_call(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score
     kv_len = pt.shape[1] * k_pages.shape[1]
     nkv = kv_len // bkv
     Hm = Hq if "h" in user_mask.static().uses else 1
-    lists = TileLists(*lists_from_states(_tile_states(user_mask, tiles, lengths, Hm, bkv, nkv)))
-    score, score_consts, mask, mask_consts = _wrap_mods(score_mod, mask_mod, tiles, lengths, query.dtype)
+    lists = lists_from_states(_tile_states(user_mask, tiles, lengths, Hm, bkv, nkv))
+    score_fn, mask = _wrap_mods(score_mod, mask_mod, tiles, lengths)
     # (The q block: the tile, at least 16 rows, the least a Triton tile takes; one q block a row.)
-    spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=bq, kv_len=kv_len, block_size=(max(bq, 16), bkv),
-                         kernel_options=tuple(sorted((kernel_options or {}).items())))
+    bm = BlockMask(*lists, mask.consts, seq_lengths=(bq, kv_len), block_size=(max(bq, 16), bkv), mask=mask.static())
     rows = jnp.clip(tiles.tok[:, None] + jnp.arange(bq, dtype=jnp.int32), 0, T - 1)
     q_tiles = query[rows]  # (N, bq, Hq, D)
+    spec, score_consts, mask_consts, lists = prepare(q_tiles, kv_len, score_fn, bm, scale=scale,
+                                                     kernel_options=kernel_options, backend=backend)
     reason = spec_reason(name, spec, q_tiles, k_pages, v_pages, lists, scales)
     return (name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, (pt[tiles.seq], scales)), reason
 
@@ -296,7 +288,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         narrow = min(NARROW_Q, wide)
         wide_tiles, narrow_tiles, is_narrow, starts = _plan(cu, lengths, T, S, wide, narrow)
         calls = [_class_call(name, tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask,
-                             scale, bkv, kernel_options, scales) for tiles in (wide_tiles, narrow_tiles)]
+                             scale, bkv, kernel_options, backend, scales) for tiles in (wide_tiles, narrow_tiles)]
         plans[name] = (wide, narrow, is_narrow, starts, [c for c, _ in calls])
         return next((r for _, r in calls if r is not None), None)
 

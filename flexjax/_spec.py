@@ -7,7 +7,7 @@ imports only the BlockMask type.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +135,36 @@ def check_block_mask(block_mask, query_shape, Skv):
             f"block_mask was built for H={Hm} but query has {Hq} heads; rebuild it with H={Hq} or H=None"
         )
     check_broadcast(block_mask.mask, Bm, Hm, data_shape=(B, Hq))
+
+
+class Call(NamedTuple):
+    """A call prepared for the backends: its spec, the arrays the mods capture, and the tile lists."""
+
+    spec: AttentionSpec
+    score_consts: tuple
+    mask_consts: tuple
+    lists: Any
+
+
+def prepare(query, kv_len: int, score_mod, block_mask, *, scale, kernel_options, backend,
+            dropout_rate: float = 0.0) -> Call:
+    """The start of every call, whatever its entry point: the scale checked (default ``1/sqrt(head_dim)``),
+    the score_mod traced at the scores' dtype, ``kernel_options`` checked against the backends
+    (``backends.options_tuple``) and the ``AttentionSpec`` built, with the block mask's mod, arrays and
+    lists (None: every pair attends). ``flex_attention``, the sharded one, and the paged and ragged calls
+    (whose block masks ``_trace.remapped`` rewrites first) all start here."""
+    from ._block_mask_type import full_block_mask
+    from .backends import options_tuple
+
+    q_len = block_mask.seq_lengths[0] if block_mask is not None else query.shape[-3]
+    if block_mask is None:
+        block_mask = full_block_mask(1, 1, q_len, kv_len)
+    score, score_consts = trace_score(score_mod, query.dtype)
+    spec = AttentionSpec(score=score, mask=block_mask.mask, scale=check_scale(scale, query.shape[-1]), q_len=q_len,
+                         kv_len=kv_len, block_size=block_mask.block_size,
+                         kernel_options=options_tuple(kernel_options, backend), kv_band=block_mask.kv_band,
+                         dropout_rate=dropout_rate)
+    return Call(spec, score_consts, tuple(block_mask.mask_consts), block_mask.tile_lists())
 
 
 class AuxRequest(NamedTuple):

@@ -212,6 +212,39 @@ def _used_args(jaxpr, names: Sequence[str], num_consts: int) -> frozenset:
     return frozenset(n for n, used in zip(names, live) if used)
 
 
+def remapped(kind: str, base: Callable | None, *, index: Callable | None = None, also: Callable | None = None,
+             name: str) -> Callable | None:
+    """The one mod transform every entry point uses to serve a call as another: ``base`` (a mod's
+    callable, or None: every pair attends / the score unchanged) read at the indices ``index(b, h,
+    q_idx, kv_idx)`` returns (None: the same), and for a mask ANDed with ``also(b, h, q_idx,
+    kv_idx)`` (a condition on the call's own indices, e.g. keys within a sequence's length).
+
+    The paged call masks keys past each sequence's length (``also``); a ragged call maps a tile row
+    to its sequence and position; a shard maps local indices to global ones; a BlockMask's rows
+    taken for queries elsewhere shift ``q_idx``. None where a score_mod has no base (nothing to do).
+    """
+    index = index or (lambda *idx: idx)
+    if kind == "score":
+        if base is None:
+            return None
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return base(score, *index(b, h, q_idx, kv_idx))
+
+        score_mod.__name__ = name
+        return score_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = None if also is None else also(b, h, q_idx, kv_idx)
+        if base is not None:
+            mine = base(*index(b, h, q_idx, kv_idx))
+            ok = mine if ok is None else ok & mine
+        return jnp.full(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), True) if ok is None else ok
+
+    mask_mod.__name__ = name
+    return mask_mod
+
+
 def trace_mod(fn: Callable, kind: str, *, arg_name: str, score_dtype=jnp.float32) -> TracedMod:
     """Traces ``fn`` as a score_mod (kind="score") or mask_mod (kind="mask").
 

@@ -57,17 +57,15 @@ from ._paged_core import (  # noqa: F401
 )
 from ._quant import FloatTail, dequantize, quantize  # noqa: F401 (public here)
 from ._spec import (
-    AttentionSpec,
     check_block_mask,
     check_outputs,
     check_qkv,
-    check_scale,
     check_sinks,
     min_scores_pass,
+    prepare,
     results,
-    trace_score,
 )
-from ._trace import trace_mod
+from ._trace import remapped, trace_mod
 from .backends._contract import TileLists
 
 
@@ -280,8 +278,8 @@ def float_tail(batch: int, k_pages, v_pages) -> FloatTail:
 
 
 def _with_lengths(bm: BlockMask, kv_lengths, B: int):
-    """``bm`` with keys at or past ``kv_lengths[b]`` masked: tiles past the length become
-    empty (skipped at run time), tiles across it partial; the mask_mod adds the test."""
+    """``bm`` with keys at or past ``kv_lengths[b]`` masked (a BlockMask of batch ``B``): tiles past the
+    length become empty (skipped at run time), tiles across it partial; the mask_mod adds the test."""
     nq, nkv = bm.num_blocks
     bkv = bm.block_size[1]
 
@@ -295,15 +293,11 @@ def _with_lengths(bm: BlockMask, kv_lengths, B: int):
         return st.astype(jnp.int8)
 
     lists = _row_lists_with_lengths(bm, kv_lengths, B, states) if nq == 1 else lists_from_states(states())
-    base, consts = bm.mask, bm.mask_consts
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        ok = kv_idx < kv_lengths[b]
-        return ok if base is None else ok & base(consts, b, h, q_idx, kv_idx)
-
-    mask_mod.__name__ = f"{base.name if base is not None else 'noop_mask'}&kv_lengths"
+    mask_mod = remapped("mask", None if bm.mask is None else bm.mask_mod,
+                        also=lambda b, h, q_idx, kv_idx: kv_idx < kv_lengths[b],
+                        name=f"{bm.mask.name if bm.mask is not None else 'noop_mask'}&kv_lengths")
     traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
-    return lists, traced.static(), tuple(traced.consts)
+    return BlockMask(*lists, traced.consts, seq_lengths=bm.seq_lengths, block_size=bm.block_size, mask=traced.static())
 
 
 def _row_lists_with_lengths(bm: BlockMask, kv_lengths, B: int, states: Callable[[], jax.Array]):
@@ -431,12 +425,8 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     if ps % bkv:
         raise ValueError(f"page_size ({ps}) must be a multiple of the block mask's kv block ({bkv}); rebuild "
                          f"it with block_size=(block_q, d) for a d dividing {ps}")
-    scale = check_scale(scale, D)
-    score, score_consts = trace_score(score_mod, query.dtype)
-    lists, mask, mask_consts = _with_lengths(block_mask, lengths, B)
-    lists = TileLists(*lists)
-    spec = AttentionSpec(score=score, mask=mask, scale=scale, q_len=Sq, kv_len=kv_len,
-                         block_size=block_mask.block_size, kernel_options=tuple(sorted((kernel_options or {}).items())))
+    spec, score_consts, mask_consts, lists = prepare(query, kv_len, score_mod, _with_lengths(block_mask, lengths, B),
+                                                     scale=scale, kernel_options=kernel_options, backend=backend)
     name, _ = choose_paged("paged", backend, lambda n: spec_reason(n, spec, query, k_pages, v_pages, lists, scales),
                            forward_of=lambda n: forward_name(n, spec, query, k_pages, v_pages, score_consts,
                                                              mask_consts))

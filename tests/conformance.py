@@ -291,7 +291,8 @@ def test_max_and_min_scores(target):
     s = np.einsum("bqhd,bkhd->bhqk", qd, kd) / np.sqrt(D) + np.asarray(table, np.float64)[None, :, None, :]
     qi, ki = np.arange(Sq)[:, None], np.arange(Skv)[None, :]
     ok = (qi >= ki) & (qi >= 10)
-    for got, want in ((aux.max_scores, np.where(ok, s, -np.inf).max(-1)), (aux.min_scores, np.where(ok, s, np.inf).min(-1))):
+    for got, want in ((aux.max_scores, np.where(ok, s, -np.inf).max(-1)),
+                      (aux.min_scores, np.where(ok, s, np.inf).min(-1))):
         assert got.shape == (B, Hq, Sq) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert np.isposinf(np.asarray(aux.min_scores[:, :, :10])).all()

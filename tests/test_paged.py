@@ -442,7 +442,7 @@ def test_length_lists_without_sorts():
     n = np.asarray(lengths)[:, None, None, None]
     want = np.where(j * bkv >= n, 0, np.where((st == 2) & ((j + 1) * bkv > n), 1, st))
     want_lists = lists_from_states(jnp.asarray(want, jnp.int8))
-    cut = jax.jit(lambda bm, lengths: paged._with_lengths(bm, lengths, B)[0])
+    cut = jax.jit(lambda bm, lengths: tuple(paged._with_lengths(bm, lengths, B).tile_lists()))
     hlo = cut.lower(bm, lengths).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):].split("\n}\n")[0]
     assert " sort(" in hlo and " sort(" not in entry, "the sort is not confined to the unsorted lists' branch"

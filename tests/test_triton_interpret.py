@@ -141,8 +141,7 @@ def test_table_gather_mods_take_the_gather_row():
     table = jnp.zeros((4, 511), jnp.float32)
 
     def tiles(score_mod):
-        call = _api._prepare(q, q, q, score_mod, bm, None, {"target": "cuda", "compute_capability": 90}, "triton",
-                             0.0)
+        call = _api._prepare(q, q, score_mod, bm, None, {"target": "cuda", "compute_capability": 90}, "triton", 0.0)
         o = triton_backend._resolve(call.spec, 128, jnp.bfloat16)
         return o.bwd_block_q, o.bwd_block_kv, o.dkv_block_q, o.dkv_block_kv
 

@@ -100,3 +100,38 @@ def implementations(backend, kind: str) -> tuple:
     from ._contract import Implementation, always
 
     return tuple(getattr(backend, kind, None) or (Implementation(backend.NAME, always),))
+
+
+def _and(names) -> str:
+    """'a', 'a' and 'b', 'a', 'b' and 'c'."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
+def options_tuple(kernel_options, backend) -> tuple:
+    """``kernel_options`` as a sorted tuple, after checking every key against the backends.
+
+    A key no backend takes (a typo) and a key the chosen backend(s) do not take are
+    ValueErrors naming the keys of every backend.
+    """
+    if kernel_options is None:
+        return ()
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    for k in kernel_options:
+        if not isinstance(k, str):
+            raise TypeError(f"kernel_options keys must be strings, got {k!r}")
+    known = {name: kernel_option_names(name) for name in available_backends()}
+    listing = "; ".join(f"{name}: {', '.join(keys) if keys else '(none)'}" for name, keys in known.items())
+    candidates = platform_backends() if backend is None else (get_backend(backend).NAME,)
+    for k in sorted(kernel_options):
+        takers = [name for name, keys in known.items() if k in keys]
+        if not takers:
+            raise ValueError(f"unknown kernel_options key {k!r}; the backends take {listing}")
+        if not any(name in takers for name in candidates):
+            chosen = f"backend={backend!r}" if backend is not None else (
+                f"backend=None (which picks from {list(candidates)} on {current_platform()})")
+            raise ValueError(
+                f"kernel_options key {k!r} is taken by backend {_and(takers)}, not by {chosen}; "
+                f"pass backend={takers[0]!r} or drop the key. The backends take {listing}")
+    return tuple(sorted(kernel_options.items()))

@@ -29,8 +29,8 @@ from .._api import register_sharded_dispatch
 from .._block_mask_type import EMPTY, BlockMask
 from .._jaxpr import TRANSPARENT_CALLS
 from .._modir import Flattener, Lit, flatten
-from .._spec import check_block_mask, check_qkv, zero_cotangent
-from .._trace import StaticMod, trace_mod
+from .._spec import check_block_mask, check_qkv, prepare, zero_cotangent
+from .._trace import StaticMod, remapped, trace_mod
 from ..backends import _softmax
 from ._layout import block_order, positions
 from ._specs import AttentionSpecs, active_specs, axes_of, make_specs
@@ -175,12 +175,8 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, tiles, src
                 positions(q_idx, q_start, plan.q_len, plan.n, plan.permuted),
                 positions(kv_idx, kv_start, plan.kv_len, kv_n, plan.permuted))
 
-    score_mod = None
-    if plan.score is not None:
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return _call(plan.score, score_consts, score, *global_index(b, h, q_idx, kv_idx))
-
-        score_mod.__name__ = plan.score.name
+    score_mod = remapped("score", None if plan.score is None else functools.partial(_call, plan.score, score_consts),
+                         index=global_index, name=getattr(plan.score, "name", ""))
     block_mask = None
     if plan.block_size is not None:
         if plan.ring:
@@ -188,10 +184,8 @@ def _local_attention(plan: _Plan, q, k, v, score_consts, mask_consts, tiles, src
             tiles = jax.lax.dynamic_slice_in_dim(tiles, src * nkv, nkv, axis=3)
         mask, consts = None, ()
         if plan.mask is not None:
-            def mask_mod(b, h, q_idx, kv_idx):
-                return _call(plan.mask, mask_consts, *global_index(b, h, q_idx, kv_idx))
-
-            mask_mod.__name__ = plan.mask.name
+            mask_mod = remapped("mask", functools.partial(_call, plan.mask, mask_consts), index=global_index,
+                                name=plan.mask.name)
             traced = trace_mod(mask_mod, "mask", arg_name="mask_mod")
             mask, consts = traced.static(), traced.consts
         if plan.n == 1:
@@ -422,19 +416,15 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
             tiles = _layout_states(block_mask, n, permuted, ring)
             tiles_spec = P(*rows, s_e, None)
         mask, mask_consts, block_size = block_mask.mask, tuple(block_mask.mask_consts), block_mask.block_size
-    score, score_consts = None, ()
-    if score_mod is not None:
-        traced = trace_mod(score_mod, "score", arg_name="score_mod")
-        score, score_consts = traced.static(), tuple(traced.consts)
-    if kernel_options is not None and not isinstance(kernel_options, dict):
-        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    call = prepare(query, Skv, score_mod, block_mask, scale=scale, kernel_options=kernel_options, backend=backend)
+    score_consts = call.score_consts
 
     plan = _Plan(
         seq_axes=axes_of(s_e), batch_axes=axes_of(b_e), head_axes=axes_of(h_e), n=n, permuted=permuted,
         ring=ring, q_len=Sq, kv_len=Skv, q_local=Sq // n, kv_local=Skv // n if ring else Skv,
         batch_local=B // nb, heads_local=Hq // nh, kv_head_slice=kv_head_slice, group=group,
-        score=score, mask=mask, block_size=block_size, kv_band=kv_band, scale=scale, backend=backend,
-        kernel_options=tuple(sorted((kernel_options or {}).items())))
+        score=call.spec.score, mask=mask, block_size=block_size, kv_band=kv_band, scale=call.spec.scale,
+        backend=backend, kernel_options=call.spec.kernel_options)
 
     def body(q, k, v, score_consts, mask_consts, tiles):
         if plan.kv_head_slice:
@@ -529,7 +519,8 @@ def maybe_sharded_attention(query, key, value, score_mod=None, block_mask=None, 
         specs = None
     if specs is None or set(specs.names()) & set(jax.sharding.get_abstract_mesh().manual_axes):
         return NotImplemented
-    for wanted, what in ((dropout, "dropout_rate > 0"), (max_scores, "return_aux=AuxRequest(max_scores=True) or (min_scores=True)")):
+    for wanted, what in ((dropout, "dropout_rate > 0"),
+                         (max_scores, "return_aux=AuxRequest(max_scores=True) or (min_scores=True)")):
         if wanted:
             # Each shard sees local b/h/positions: its dropout hash and row maxima would need
             # the global ones mapped in, which the sharded path does not do yet.
