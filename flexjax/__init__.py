@@ -4,6 +4,7 @@ from . import masks as masks
 from . import mods as mods
 from . import paged as paged
 from . import sharding as sharding
+from . import sparse as sparse
 from ._api import AuxOutput as AuxOutput
 from ._api import AuxRequest as AuxRequest
 from ._api import Explanation as Explanation
@@ -38,4 +39,5 @@ __all__ = [
     "or_masks",
     "paged",
     "sharding",
+    "sparse",
 ]

@@ -35,7 +35,7 @@ from .backends import (
     implementations,
     platform_backends,
 )
-from .backends._contract import Implementation, first_serving
+from .backends._contract import Implementation, answer, first_serving, validate
 
 # flexjax.sharding, a layer above this module, installs its dispatch here when it is
 # imported (flexjax/__init__.py imports it): under `attention_specs(...)`, or for q/k/v
@@ -135,21 +135,11 @@ def _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, 
 
 
 def _supports(candidate, name, spec, query, key, value):
-    """The backend's answer to "can you serve this": None or a reason, never a crash.
-
-    ``validate_options`` raises ValueError / TypeError for an invalid kernel_options value,
-    the caller's to fix. ``supports`` must not raise; anything it does raise is a flexjax
-    bug, reported as the reason, so that ``backend=None`` moves on to the next backend
-    (with its warning) instead of crashing.
-    """
-    candidate.validate_options(spec)
-    try:
-        return candidate.supports(spec, query, key, value)
-    except NotImplementedError as e:
-        return str(e)
-    except Exception as e:
-        return (f"the {name} backend failed while checking the call ({type(e).__name__}: {e}); this is a flexjax "
-                "bug, please report it")
+    """The backend's answer to "can you serve this": None or a reason (``_contract.answer``'s rule: an
+    invalid kernel_options value raises, the caller's to fix; a failure is a flexjax bug, reported as the
+    reason, so that ``backend=None`` moves on to the next backend with its warning)."""
+    validate(candidate, spec)
+    return answer(candidate.supports, f"the {name} backend", spec, query, key, value)
 
 
 def _choose_backend(backend, spec, query, key, value, *, warn: bool = True):

@@ -34,7 +34,6 @@ has no translation for, before any kernel is built.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from jax import lax
 from ._jaxpr import collect_prims, sub_jaxprs
 from ._modir import READS, SHAPE_ONLY, Lit, Node, _size1, bind, flatten, read_indices, read_problem
 from ._trace import StaticMod
+from .backends._contract import guarded
 
 # Primitives the DESIGN lists as broken inside Triton kernels even where a rule exists.
 _TRITON_GAPS = frozenset({"erf", "round", "sort", "cumsum", "cumlogsumexp", "cummax", "cummin"})
@@ -492,22 +492,10 @@ def _check_accuracy(jaxpr, target: str, mod_name: str, where: str):
             _check_accuracy(sub, target, mod_name, where)
 
 
-@contextlib.contextmanager
 def refusing(backend: str, mod_name: str, what: str = "compile"):
-    """Turns any exception but NotImplementedError into one: a backend's "can you serve this"
-    question answers with a refusal (which ``backend=None`` falls past), never a crash.
-
-    Such an exception is a flexjax bug; the refusal says so, names the mod and keeps the
-    original as its cause.
-    """
-    try:
-        yield
-    except NotImplementedError:
-        raise
-    except Exception as e:
-        raise NotImplementedError(
-            f"the {backend} backend failed to {what} mod {mod_name!r} ({type(e).__name__}: {e}); this is a flexjax "
-            "bug, please report it with the mod; backend='xla' serves the call meanwhile") from e
+    """``_contract.guarded``'s rule around compiling a mod for a backend: a failure other than a refusal is
+    a flexjax bug, raised as a refusal naming the mod (``backend=None`` moves on; backend='xla' serves)."""
+    return guarded(f"the {backend} backend", f"{what} mod {mod_name!r}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -110,7 +110,9 @@ def spec_reason(name: str, spec, q, k_pages, v_pages, lists, scales) -> str | No
     unknown = sorted(set(spec.options) - set(kernel_option_names(name)))
     if unknown:
         return f"it takes no kernel_options {unknown}"
-    impl.validate_options(spec)
+    from .backends._contract import validate
+
+    validate(impl, spec)
     return paged_reason(impl, spec, q, k_pages, v_pages, lists, scales)
 
 

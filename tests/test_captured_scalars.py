@@ -440,7 +440,6 @@ def test_any_crash_in_the_serve_question_is_a_refusal(monkeypatch):
     moves on, a named backend re-raises; each backend's own supports keeps the promise too."""
     import warnings
 
-    from flexjax import _api
     from flexjax.backends import pallas
 
     def crash(spec, q, k, v):
@@ -448,7 +447,9 @@ def test_any_crash_in_the_serve_question_is_a_refusal(monkeypatch):
 
     assert "RuntimeError" in pallas.never_raises(crash)(None, None, None, None)
     monkeypatch.setattr(pallas, "supports", crash)
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: ("pallas", "xla"))
+    from flexjax import backends
+
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), ("pallas", "xla"))
     q, k, v, _ = inputs((1, 32, 32, 1, 1, 16, 16), jnp.float32)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -100,7 +100,6 @@ def test_the_backend_refuses_unsupported_versions(installed, monkeypatch):
     import jax
 
     import flexjax
-    from flexjax import _api
     from flexjax.backends import triton as triton_backend
 
     installed.update({"triton": "3.9.0", "jax-triton": "0.4.0"})
@@ -108,7 +107,9 @@ def test_the_backend_refuses_unsupported_versions(installed, monkeypatch):
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 16))
     with pytest.raises(NotImplementedError, match=r"backend 'triton' cannot serve.*Triton 3\.9\.0.*flexjax\[gpu\]"):
         flexjax.flex_attention(q, q, q, backend="triton", kernel_options={"target": "cuda"})
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: ("triton", "xla"))
+    from flexjax import backends
+
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), ("triton", "xla"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         out = flexjax.flex_attention(q, q, q)

@@ -235,9 +235,8 @@ def _lower_for_h100(score_mod, grad: bool = False, device="NVIDIA H100 80GB HBM3
 
 
 def test_backend_none_picks_mosaic_gpu_on_hopper(monkeypatch):
-    from flexjax import _api
 
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), backends.platform_backends("cuda"))
     text, warned = _lower_for_h100(mods.soft_cap(20.0), grad=True)
     assert "mosaic_gpu" in text and not warned
     assert text.count("flexjax_mgpu_") >= 3 or text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
@@ -245,10 +244,9 @@ def test_backend_none_picks_mosaic_gpu_on_hopper(monkeypatch):
 
 def test_backend_none_picks_mosaic_gpu_on_blackwell(monkeypatch):
     """Compute capability 10.0 (named, as a CPU host cannot read it from a B200): the sm_100a kernels."""
-    from flexjax import _api
     from flexjax.backends.mosaic_gpu import _mma
 
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), backends.platform_backends("cuda"))
     built = []
     unit = _mma.Blackwell.unit
     monkeypatch.setattr(_mma.Blackwell, "unit", lambda self, *a: built.append(self.emulate) or unit(self, *a))
@@ -283,9 +281,8 @@ def test_dropout_lowers_for_cuda(cc):
 
 
 def test_backend_none_falls_past_mosaic_gpu_for_a_gather(monkeypatch):
-    from flexjax import _api
 
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), backends.platform_backends("cuda"))
     text, warned = _lower_for_h100(mods.relative_bias(jnp.zeros((2, 511))))
     assert any("'mosaic_gpu'" in w and "both q_idx and kv_idx" in w for w in warned), warned
 
@@ -324,9 +321,8 @@ def test_kernels_pin_lane_semantics(monkeypatch):
     Warpgroup the default, so every kernel passes Lane itself."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from flexjax import _api
 
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), backends.platform_backends("cuda"))
     seen, kernel = [], plgpu.kernel
     monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: seen.append(kw.get("compiler_params")) or kernel(*a, **kw))
     jax.clear_caches()  # kernels an earlier test in this process traced would not be built again
@@ -343,9 +339,8 @@ def test_calls_served_by_mosaic_gpu_never_reach_pallas_triton(monkeypatch, score
 
     from jax.experimental.pallas import triton as pl_triton
 
-    from flexjax import _api
 
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: backends.platform_backends("cuda"))
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), backends.platform_backends("cuda"))
     mod = mods.soft_cap(20.0) if score == "soft_cap" else mods.alibi(2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -51,9 +51,8 @@ def test_named_triton_backend_without_triton_raises_with_the_reason():
 @pytest.mark.skipif(HAVE_TRITON, reason="triton and jax-triton are installed here")
 def test_backend_none_on_gpu_falls_through_triton_with_a_warning(monkeypatch):
     """What a GPU user without jax-triton sees: a warning naming why, then the next backend."""
-    from flexjax import _api
 
-    monkeypatch.setattr(_api, "platform_backends", lambda platform=None: ("triton", "xla"))
+    monkeypatch.setitem(backends._PLATFORM_ORDER, jax.default_backend(), ("triton", "xla"))
     q, k, v = _qkv()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

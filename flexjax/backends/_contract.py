@@ -13,6 +13,7 @@ This module imports nothing from flexjax: every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -172,13 +173,44 @@ class Implementation(NamedTuple):
     supports: Callable[..., str | None]
 
 
-def _guarded(impl: Implementation, context: dict) -> str | None:
+class InvalidOption(ValueError):
+    """An invalid ``kernel_options`` value (``validate``): the caller's to fix, so it crosses every guard."""
+
+
+def validate(backend, spec) -> None:
+    """``backend.validate_options(spec)``, its ValueError raised as an ``InvalidOption``."""
     try:
-        return impl.supports(**context)
-    except (ValueError, TypeError):
+        backend.validate_options(spec)
+    except InvalidOption:
         raise
-    except Exception as e:  # a flexjax bug: reported as the reason, so the next implementation serves
-        return f"{type(e).__name__} while checking ({e}); this is a flexjax bug, please report it"
+    except ValueError as e:
+        raise InvalidOption(str(e)) from e
+
+
+@contextlib.contextmanager
+def guarded(who: str, what: str = "check the call"):
+    """The one rule for every "can you serve this" question (a backend's ``supports``, an implementation's,
+    a mod compiled to see whether it lowers): a ``NotImplementedError`` is a refusal and an ``InvalidOption``
+    the caller's, and both pass; any other exception is a flexjax bug, raised as a refusal that says so
+    and keeps it as its cause, so that ``backend=None`` moves on to the next backend instead of crashing."""
+    try:
+        yield
+    except (NotImplementedError, InvalidOption):
+        raise
+    except Exception as e:
+        raise NotImplementedError(f"{who} failed to {what} ({type(e).__name__}: {e}); this is a flexjax bug, "
+                                  "please report it") from e
+
+
+def answer(question: Callable[..., str | None], who: str, *args, **kwargs) -> str | None:
+    """``question(*args, **kwargs)`` under ``guarded``: None, or the reason of the refusal."""
+    try:
+        with guarded(who):
+            return question(*args, **kwargs)
+    except InvalidOption:
+        raise
+    except NotImplementedError as e:
+        return str(e)
 
 
 def first_serving(implementations: Sequence[Implementation], label: str = "", *, or_none: bool = False,
@@ -194,7 +226,7 @@ def first_serving(implementations: Sequence[Implementation], label: str = "", *,
     """
     skipped = []
     for impl in implementations:
-        reason = _guarded(impl, context)
+        reason = answer(impl.supports, f"implementation {impl.name!r}", **context)
         if reason is None:
             if _LOG.isEnabledFor(logging.DEBUG):
                 passed = "".join(f"; not {n!r}: {r}" for n, r in skipped)
@@ -207,21 +239,14 @@ def first_serving(implementations: Sequence[Implementation], label: str = "", *,
 
 
 def never_raises(supports: Callable[..., str | None]) -> Callable[..., str | None]:
-    """Wraps a backend's ``supports`` so that it keeps its promise: any exception becomes the reason.
-
-    An invalid option value is ``validate_options``' to raise; here it is a reason like any other.
-    """
+    """A backend's ``supports`` that keeps its promise, by ``answer``'s rule."""
+    who = f"the {supports.__module__.rsplit('.', 1)[-1]} backend"
 
     @functools.wraps(supports)
-    def guarded(*args, **kwargs):
-        try:
-            return supports(*args, **kwargs)
-        except NotImplementedError as e:
-            return str(e)
-        except Exception as e:
-            return f"{type(e).__name__} while checking the call ({e}); this is a flexjax bug, please report it"
+    def guarded_supports(*args, **kwargs):
+        return answer(supports, who, *args, **kwargs)
 
-    return guarded
+    return guarded_supports
 
 
 def always(**_) -> None:
