@@ -137,8 +137,11 @@ _TRITON = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
     reason="needs triton and torch")])
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla", "pallas", _TRITON])
-@pytest.mark.parametrize("name", list(CASES))
+# make test runs every case on xla and one on each interpreted kernel; make test-extra the rest.
+@pytest.mark.parametrize("name,backend", [
+    pytest.param(n, b, id=f"{n}-{b}", marks=() if b == "xla" or n == "causal_full_padded" else pytest.mark.ci_extra)
+    for b in ("reference", "xla", "pallas") for n in CASES] + [pytest.param(n, "triton", id=f"{n}-triton",
+                                                                           marks=_TRITON.marks) for n in CASES])
 def test_matches_dense_attention_with_the_implied_mask(name, backend):
     bm, allowed, (q, k, v, do) = _case(name)
     truth, ref = _truth(name)
