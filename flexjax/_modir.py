@@ -16,7 +16,7 @@ One-element reads of captured arrays (``dynamic_slice``, ``gather`` with one ind
 dimension, clamped or FILL_OR_DROP) carry one normalised form, ``Node.read`` (``Read``:
 array, one index operand per dimension, fill), read through ``read_indices``, the one
 place that also knows the primitives' params. Who consumes the IR: ``_modcompiler.compile_mod`` (the prologue hoister
-and the pallas evaluation), ``backends/triton/_codegen.py`` and ``backends/cpu/_codegen.py``.
+and the pallas evaluation), ``backends/triton/_codegen.py`` and ``backends/xla/cpu/_codegen.py``.
 """
 
 from __future__ import annotations

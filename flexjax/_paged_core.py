@@ -249,7 +249,7 @@ def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, l
 
 # Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
 # linear map whose transpose is the backward. The backward reads the pools through the page
-# table (``_decode.paged_backward``, one XLA loop for every backend, no logical cache); the
+# table (``backends._paged_backward``, one XLA loop for every backend, no logical cache); the
 # tangent pass (``jax.jvp``: the xla backend's blockwise pass) runs on the logical cache
 # gathered through the table. ``jax.grad`` runs only the backward.
 
@@ -282,10 +282,11 @@ def _paged_jvp(name, spec, primals, tangents):
 
     def backward(spec, q, k_pages, v_pages, out, lse, dout, dlse, sc, mc, lists, grad_consts, extra):
         # Gather-free: the pools are read (and their gradients added) through the table.
-        from .backends import _decode
+        from .backends._paged_backward import paged_backward
+
         page_table, scales = extra
-        return _decode.paged_backward(spec, q, k_pages, v_pages, page_table, out, lse, dout, dlse, sc, mc, lists,
-                                      grad_consts, scales)
+        return paged_backward(spec, q, k_pages, v_pages, page_table, out, lse, dout, dlse, sc, mc, lists, grad_consts,
+                              scales)
 
     return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=logical(0),
                          logical_v=logical(1), from_logical=scatter, backward=backward)

@@ -351,7 +351,7 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
     ``flexjax.flex_attention`` on ``gather(k_pages, page_table)`` with keys at or past
     ``kv_lengths[b]`` masked. Only the pages of non-empty tiles are read (tiles past a
     sequence's length are skipped at run time). ``jax.grad`` reads the pages through the
-    table too (``backends._decode.paged_backward``, whatever the backend: the pools'
+    table too (``backends._paged_backward.paged_backward``, whatever the backend: the pools'
     gradients are added at the rows read); the forward-mode tangent (``jax.jvp``) gathers
     the logical cache.
 

@@ -11,8 +11,8 @@ import pytest
 import flexjax
 from flexjax import _analysis, _jaxpr, _modcompiler
 from flexjax._trace import trace_mod
-from flexjax.backends.cpu import _codegen as cpu_codegen
 from flexjax.backends.triton import _codegen as triton_codegen
+from flexjax.backends.xla.cpu import _codegen as cpu_codegen
 from flexjax.sharding import _attention as sharded
 
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import flexjax
 from flexjax import _modcompiler
 from flexjax._trace import trace_mod
-from flexjax.backends.cpu import _codegen as cpu_codegen
 from flexjax.backends.triton import _codegen as triton_codegen
+from flexjax.backends.xla.cpu import _codegen as cpu_codegen
 
 # (backend, kernel_options): every backend that runs on this host, kernels in interpret mode.
 BACKENDS = {

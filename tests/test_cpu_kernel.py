@@ -1,4 +1,4 @@
-"""The xla backend's C++ CPU kernel (flexjax/backends/cpu) against the dense reference.
+"""The xla backend's C++ CPU kernel (flexjax/backends/xla/cpu) against the dense reference.
 
 The kernel serves the xla backend's forward on AVX-512 CPUs with a C++ compiler; the
 backward stays the xla backend's. Every check here first asserts that the kernel really
@@ -21,7 +21,7 @@ from checks import assert_close
 
 import flexjax
 from flexjax import masks, mods
-from flexjax.backends import cpu
+from flexjax.backends.xla import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.usable(), reason="no AVX-512 CPU or no C++ compiler")
 

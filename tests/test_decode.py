@@ -8,7 +8,7 @@ from checks import assert_close
 
 import flexjax
 from flexjax import masks
-from flexjax.backends import _decode
+from flexjax.backends.xla import _decode
 
 B, HQ, HKV, D, SKV = 2, 4, 2, 16, 200
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import flexjax
-from flexjax.backends import cpu
+from flexjax.backends.xla import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.usable(), reason="no AVX-512 CPU or no C++ compiler")
 
@@ -32,7 +32,7 @@ import json, subprocess, sys, warnings
 import jax, jax.numpy as jnp
 import flexjax
 from flexjax import masks, mods
-from flexjax.backends import cpu
+from flexjax.backends.xla import cpu
 
 if sys.argv[1] == "broken-compiler":
     run = subprocess.run

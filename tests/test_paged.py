@@ -32,7 +32,7 @@ def _alibi(slopes):
 
 
 def _no_cpu_kernel(monkeypatch):
-    from flexjax.backends import cpu
+    from flexjax.backends.xla import cpu
 
     monkeypatch.setattr(cpu, "reason", lambda *a, **k: "switched off by the test")
 
@@ -45,7 +45,7 @@ def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
     positions: forward, lse and the gradients of q, the pools and the slopes. The xla
     backend's forward is the C++ kernel reading pages in place where it runs ("kernel"),
     or its XLA decode path ("xla_ops")."""
-    from flexjax.backends import cpu
+    from flexjax.backends.xla import cpu
 
     if xla_path == "xla_ops":
         _no_cpu_kernel(monkeypatch)

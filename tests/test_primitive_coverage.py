@@ -32,9 +32,9 @@ from flexjax._jaxpr import CALL_BODY, collect_prims, open_jaxpr
 from flexjax._modcompiler import compile_mod
 from flexjax._modir import SHAPE_ONLY
 from flexjax._trace import trace_mod
-from flexjax.backends import cpu
-from flexjax.backends.cpu import _codegen as cpu_codegen
 from flexjax.backends.triton import _codegen as triton_codegen
+from flexjax.backends.xla import cpu
+from flexjax.backends.xla.cpu import _codegen as cpu_codegen
 
 JAX = f"JAX {jax.__version__}"
 # What flexjax removes before a generator sees it: shape-only primitives on one-element values, and the

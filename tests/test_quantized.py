@@ -28,7 +28,7 @@ def _setup(sq=1, dtype=jnp.float32, seed=0):
 
 
 def _no_cpu_kernel(monkeypatch):
-    from flexjax.backends import cpu
+    from flexjax.backends.xla import cpu
     monkeypatch.setattr(cpu, "reason", lambda *a, **k: "switched off by the test")
 
 
@@ -68,7 +68,7 @@ def test_quantize_roundtrip(qdtype, per_page):
 def test_paged_quantized_matches_dequantized(qdtype, per_page, path, sq, monkeypatch):
     """Every path dequantizes on load: equal to flex_attention over the dequantized pool,
     and within the stated bound of the float pool's result (ALiBi + sliding window)."""
-    from flexjax.backends import cpu
+    from flexjax.backends.xla import cpu
     if path == "kernel" and not cpu.usable():
         pytest.skip("no AVX-512 CPU or no C++ compiler")
     if path == "xla_ops":

@@ -143,7 +143,7 @@ class PagedBackend(Protocol):
     ``scales`` is a quantized pool's (k_scale, v_scale), float32 (num_pages, Hkv), or None.
     ``PAGED_FORWARD``: its paged forward's ``Implementation``s, in the order tried (``paged.explain``
     names the first that serves). The backward of every paged call is one XLA loop reading the
-    pools through the table (``backends/_decode.paged_backward``).
+    pools through the table (``backends/_paged_backward.py``).
     """
 
     PAGED_FORWARD: tuple

@@ -39,9 +39,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import _softmax
 from .._contract import Residuals
-from .._decode import DECODE_MAX_Q
-from .._decode import serves as xla_serves
 from .._layout import Mods, geometry, pad_axis, prologues
+from ..xla._decode import DECODE_MAX_Q
+from ..xla._decode import serves as xla_serves
 from ._gpu import _compiler_params, _div, _pro_refs, _Program, _rem, _take, _uses, _whole
 from ._tile import ModInputs, Tile, finish, forward_tile, tile_indices
 

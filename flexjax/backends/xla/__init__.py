@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _dropout
-from . import _softmax, current_platform
-from ._common import acc_dtype, allowed, apply_score_mod, coarse_lists
-from ._contract import Implementation, Residuals, TileLists, always, first_serving, never_raises
+from ... import _dropout
+from .. import _softmax, current_platform
+from .._common import acc_dtype, allowed, apply_score_mod, coarse_lists
+from .._contract import Implementation, Residuals, TileLists, always, first_serving, never_raises
 
 NAME = "xla"
 
@@ -41,7 +41,7 @@ class KernelOptions:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 # kernel_options that are not tiles: ``cpu_kernel=False`` runs the forward's XLA loops even
-# where the C++ kernel (backends/cpu) could serve it.
+# where the C++ kernel (backends/xla/cpu) could serve it.
 SWITCHES = ("cpu_kernel",)
 
 
@@ -147,7 +147,7 @@ def _decode_reason(spec, q, **_) -> str | None:
 
 # The ways this backend serves each pass, in the order they are tried (``_contract.first_serving``).
 FORWARD = (
-    Implementation("cpu_kernel", _cpu_reason),   # one fused C++ call (backends/cpu)
+    Implementation("cpu_kernel", _cpu_reason),   # one fused C++ call (backends/xla/cpu)
     Implementation("decode", _decode_reason),    # few queries: GQA rows packed, kv chunks merged by lse
     Implementation("band", _band_reason),        # one contiguous kv slice per q tile, no loop
     Implementation("loops", always),             # a loop over each q tile's kv tiles

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._jaxpr import open_jaxpr
-from ..._modcompiler import refusing
-from ..._modir import (
+from ...._jaxpr import open_jaxpr
+from ...._modcompiler import refusing
+from ...._modir import (
     READS,
     TANH_SMALL,
     VALUE_IDENTITY,
@@ -39,7 +39,7 @@ from ..._modir import (
     read_problem,
     tanh_series,
 )
-from ..._trace import StaticMod
+from ...._trace import StaticMod
 
 _ARITH = {"add": "+", "add_any": "+", "sub": "-", "mul": "*"}
 _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}

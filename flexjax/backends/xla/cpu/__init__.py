@@ -51,9 +51,9 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
-from .. import current_platform
-from .._contract import Residuals, TileLists
-from .._softmax import lse_of
+from ... import current_platform
+from ..._contract import Residuals, TileLists
+from ..._softmax import lse_of
 from . import _codegen
 
 _HERE = Path(__file__).resolve().parent
