@@ -14,7 +14,9 @@ signature) and computes the attention with ``flexjax.flex_attention``: ``mask`` 
 ``bias`` a score_mod reading it. ``make_attention_fn(implementation=..., kernel_options=...)``
 binds a backend. ``FlexMultiHeadAttention`` is an NNX layer of its own that takes a score_mod,
 a mask_mod or a BlockMask, GQA, attention sinks, and a decode cache, contiguous or paged
-(``flexjax.paged``: a page pool, a page table and per-sequence lengths). Flax is an optional
+(``flexjax.paged``: a page pool, a page table and per-sequence lengths); with
+``sparse=SparseAttention(...)`` each query block attends to the key blocks the data chooses
+(MoBA's top-k blocks, or NSA's three gated branches: ``flexjax.sparse``). Flax is an optional
 dependency (``pip install 'flexjax[flax]'``); importing this module needs it, ``import
 flexjax`` does not.
 
@@ -31,6 +33,8 @@ Where it differs from flax's function:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -40,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import paged
+from . import masks, paged, sparse
 from ._api import flex_attention
-from ._block_mask import BlockMask, block_mask_over_read_axes
+from ._block_mask import BlockMask, and_masks, block_mask_over_read_axes
 from ._drop_in import as_flex, check_implementation
 from ._paged_core import built_here, fail_on_host
 from ._trace import trace_mod
@@ -157,6 +161,142 @@ def _decode_block_mask(user_mask, B: int, H: int, T: int, kv_len: int, block_siz
     return block_mask_over_read_axes(mask_mod, B, H, T, kv_len, block_size=block_size)
 
 
+def _positive_int(name: str, value, *, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"SparseAttention: {name} must be a positive int{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttention:
+    """``FlexMultiHeadAttention(sparse=...)``: attention over the key blocks the data chooses (``flexjax.sparse``).
+
+    Blocks are ``block_size`` positions, for queries and keys alike. Every kind is causal (top-left
+    aligned, as ``masks.causal``) and composes with the layer's (or the call's) mask_mod; the
+    choice is made inside the layer's call, under ``jit``, from the projected queries and keys,
+    and is not differentiated (``jax.lax.stop_gradient``, as in both papers): the gradients reach
+    the projections through the attention over the chosen blocks.
+
+    - ``kind="moba"`` (MoBA, https://arxiv.org/abs/2502.13189): each query block attends to its
+      ``top_k`` kv blocks by ``sparse.moba_scores`` (its mean query against each block's mean key;
+      its own diagonal block always among them, the future never), under the causal mask and the
+      mask_mod, with the layer's score_mod. No parameters of its own.
+    - ``kind="nsa"`` (NSA, https://arxiv.org/abs/2502.11089): three branches over the same
+      queries, keys and values, each a ``flex_attention``, combined per head by NSA's gate,
+      ``out = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` with ``(g_cmp, g_slc, g_win) =
+      sigmoid(gate(x))`` (a parameter ``gate``, ``nnx.Linear(in_features, 3 * num_heads)`` with a
+      bias; its columns are ``[cmp heads, slc heads, win heads]``):
+
+      * ``o_cmp``: attention over compressed keys and values, the means of ``compress_size``
+        consecutive keys (values) every ``stride`` positions (mean pooling stands in for NSA's
+        learned compression MLP); query ``s`` sees compressed block ``t`` once it has ended,
+        ``t * stride + compress_size - 1 <= s``, and the mask_mod allows every key in it; a
+        query with no such block gets 0. The score_mod is not applied (its keys are not
+        positions).
+      * ``o_slc``: each query block's ``top_k`` kv blocks by ``sparse.nsa_scores`` (the
+        compressed attention's probabilities summed onto the blocks; the heads of a GQA group
+        choose together), under the causal mask, the mask_mod and the score_mod.
+      * ``o_win``: a causal sliding window of ``window`` keys (the query and the ``window - 1``
+        before it), under the mask_mod and the score_mod.
+
+    Kv blocks that the causal mask and the mask_mod leave empty are never chosen; a query block
+    with fewer than ``top_k`` eligible kv blocks takes them all (``top_k`` is capped at the
+    number of kv blocks). The layer's decode cache is not served: ``decode=True`` and
+    ``init_cache`` raise ``NotImplementedError`` (the sparse option is for full-sequence calls).
+
+    Args:
+      kind: ``"moba"`` or ``"nsa"``.
+      block_size: the query and kv block, in positions (the BlockMask's tile).
+      top_k: kv blocks per query block (MoBA's and NSA's selection).
+      window: NSA's sliding-window branch, in keys; default ``8 * block_size`` (NSA's ratio, w = 512
+        for blocks of 64). ``"nsa"`` only.
+      compress_size: NSA's compressed block ``l``; default ``max(1, block_size // 2)``. ``"nsa"`` only.
+      stride: NSA's stride ``d`` between compressed blocks; default ``max(1, compress_size // 2)``.
+        ``"nsa"`` only.
+
+    Raises:
+      ValueError: naming the field, for an unknown kind, a size that is not a positive int, or an
+        NSA field given to ``"moba"``.
+    """
+
+    kind: str = "moba"
+    block_size: int = 64
+    top_k: int = 4
+    window: int | None = None
+    compress_size: int | None = None
+    stride: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("moba", "nsa"):
+            raise ValueError(f"SparseAttention: kind must be 'moba' or 'nsa', got {self.kind!r}")
+        set_ = functools.partial(object.__setattr__, self)
+        set_("block_size", _positive_int("block_size", self.block_size))
+        set_("top_k", _positive_int("top_k", self.top_k))
+        if self.kind == "moba":
+            for name in ("window", "compress_size", "stride"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"SparseAttention: {name} is an NSA branch's setting; kind='moba' takes none "
+                                     f"(got {name}={getattr(self, name)!r})")
+            return
+        window = _positive_int("window", self.window, allow_none=True)
+        l = _positive_int("compress_size", self.compress_size, allow_none=True)
+        l = max(1, self.block_size // 2) if l is None else l
+        d = _positive_int("stride", self.stride, allow_none=True)
+        set_("window", 8 * self.block_size if window is None else window)
+        set_("compress_size", l)
+        set_("stride", max(1, l // 2) if d is None else d)
+
+
+def _topk_blocks(scores, states, top_k: int, block_size: int, mask_mod, T: int) -> BlockMask:
+    """The BlockMask in which each query block attends to its ``top_k`` best kv blocks by ``scores``
+    (B, H, nQ, nKV) among those that ``states`` (``mask_mod``'s tiles: 0 empty, 1 partial, 2 full;
+    broadcasting) leaves non-empty, under ``mask_mod``; the chosen tiles that ``mask_mod`` fills are
+    listed full (the same mask, without evaluating it there)."""
+    scores = jnp.where(states == 0, -jnp.inf, scores)
+    k = min(top_k, scores.shape[-1])
+    chosen = sparse.topk_block_mask(scores, k, block_size=block_size, mask_mod=mask_mod, seq_lengths=(T, T))
+    count, idx = chosen.kv_num_blocks, chosen.kv_indices  # (B, H, nQ, k): every chosen block, partial
+    states = jnp.broadcast_to(states, scores.shape)
+    full = (jnp.arange(idx.shape[-1]) < count[..., None]) & (jnp.take_along_axis(states, idx, axis=-1) == 2)
+    pos = jnp.arange(idx.shape[-1], dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(full, pos, pos + idx.shape[-1]), axis=-1)
+    # A block listed both partial and full is full (from_kv_blocks' rule).
+    return BlockMask.from_kv_blocks(count, idx, full.sum(-1, dtype=jnp.int32), jnp.take_along_axis(idx, order, -1),
+                                    block_size=block_size, mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def _compressed(x, l: int, d: int) -> jax.Array:
+    """(B, S, H, D) -> (B, n, H, D): the means of ``x[t d : t d + l]`` for ``t < n = (S - l) // d + 1``."""
+    n = (x.shape[1] - l) // d + 1
+    window = np.arange(n)[:, None] * d + np.arange(l)[None, :]
+    return x[:, window].mean(2, dtype=jnp.float32).astype(x.dtype)
+
+
+_NO_SPARSE_DECODE = (
+    "FlexMultiHeadAttention(sparse=...) serves full-sequence calls only: its blocks are chosen per query block "
+    "from the whole sequence, and the decode cache (init_cache, decode=True) has no sparse path (not implemented; "
+    "run the whole sequence through the layer instead)")
+
+
+def _compressed_allowed(mask_mod, B: int, H: int, T: int, n: int, l: int, d: int) -> jax.Array:
+    """bool (B', H', T, n): whether ``mask_mod`` allows query ``s`` every key of compressed block ``t``,
+    ``[t d, t d + l)``; B' (H') is B (H) where the mask_mod reads ``b`` (``h``), else 1. One (T, n) evaluation
+    per key of a block (a loop of ``l``): as large as NSA's compressed scores, never (T, T); and a captured
+    array for the compressed branch's mask, where a mask_mod that called ``mask_mod`` ``l`` times would be
+    traced, analysed and compiled into the kernels."""
+    uses = trace_mod(mask_mod, "mask", arg_name="mask_mod").static().uses
+    b = jnp.arange(B if "b" in uses else 1, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(H if "h" in uses else 1, dtype=jnp.int32)[None, :, None, None]
+    s = jnp.arange(T, dtype=jnp.int32)[:, None]
+    t = jnp.arange(n, dtype=jnp.int32)[None, :] * d
+    shape = (b.shape[0], h.shape[0], T, n)
+    return jax.lax.fori_loop(0, l, lambda j, ok: ok & jnp.broadcast_to(mask_mod(b, h, s, t + j), shape),
+                             jnp.ones(shape, jnp.bool_))
+
+
 class FlexMultiHeadAttention(nnx.Module):
     """Multi-head attention whose core is ``flexjax.flex_attention``, with mods, GQA, sinks and a decode cache.
 
@@ -178,6 +318,10 @@ class FlexMultiHeadAttention(nnx.Module):
         keep mask; the call's ``rngs`` give the key).
       implementation, kernel_options: the flexjax backend (None: automatic) and its options.
       dtype, param_dtype, use_bias: as ``nnx.Linear``'s.
+      sparse: None (dense: every pair the masks allow) or a ``SparseAttention``: each query
+        block attends to the kv blocks the data chooses, causally (MoBA's top-k blocks, or NSA's
+        compressed, selected and sliding-window branches under a learned gate, the parameter
+        ``gate``); full-sequence calls only (``decode=True`` raises).
       rngs: ``nnx.Rngs`` for the parameters.
     """
 
@@ -185,7 +329,8 @@ class FlexMultiHeadAttention(nnx.Module):
                  head_dim: int | None = None, out_features: int | None = None, score_mod=None, mask_mod=None,
                  num_sinks: int = 0, dropout_rate: float = 0.0, deterministic: bool = True,
                  implementation: str | None = None, kernel_options: dict | None = None, dtype=None,
-                 param_dtype=jnp.float32, use_bias: bool = False, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, use_bias: bool = False, sparse: SparseAttention | None = None,
+                 rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -194,7 +339,10 @@ class FlexMultiHeadAttention(nnx.Module):
             raise ValueError(f"head_dim must be positive, got {head_dim} (in_features // num_heads by default)")
         if isinstance(num_sinks, bool) or not isinstance(num_sinks, int) or num_sinks < 0:
             raise ValueError(f"num_sinks must be an int >= 0, got {num_sinks!r}")
+        if sparse is not None and not isinstance(sparse, SparseAttention):
+            raise TypeError(f"sparse must be None or a flexjax.flax.SparseAttention, got {type(sparse).__name__}")
         check_implementation(implementation)
+        self.sparse = sparse
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.dropout_rate, self.deterministic = float(dropout_rate), deterministic
@@ -206,6 +354,9 @@ class FlexMultiHeadAttention(nnx.Module):
         self.value = nnx.Linear(in_features, num_kv_heads * head_dim, **lin)
         self.out = nnx.Linear(num_heads * head_dim, out_features or in_features, **lin)
         self.sinks = nnx.Param(jnp.zeros((num_heads, num_sinks), param_dtype)) if num_sinks else nnx.data(None)
+        # NSA's gate: (g_cmp, g_slc, g_win) per head from the layer's input.
+        self.gate = (nnx.Linear(in_features, 3 * num_heads, **{**lin, "use_bias": True})
+                     if sparse is not None and sparse.kind == "nsa" else nnx.data(None))
         # The decode cache's variables (init_cache fills them): data, not static fields.
         self.cached_key, self.cached_value, self.cache_index = nnx.data(None), nnx.data(None), nnx.data(None)
         self.page_table, self.free_pages = nnx.data(None), nnx.data(None)
@@ -233,6 +384,8 @@ class FlexMultiHeadAttention(nnx.Module):
         buffer at each decode step, where a uint16 one is updated in place
         (``lax.bitcast_convert_type(layer.cached_key[...], layer.cache_dtype)`` reads it).
         """
+        if self.sparse is not None:
+            raise NotImplementedError(_NO_SPARSE_DECODE)
         self.cache_dtype = jnp.dtype(dtype)
         shape_tail = (self.num_kv_heads, self.head_dim)
         dtype = _storage_dtype(dtype)
@@ -285,6 +438,14 @@ class FlexMultiHeadAttention(nnx.Module):
         sinks = None if self.sinks is None else self.sinks[...]
         attend = dict(dropout_rate=rate, dropout_rng=dropout_rng, sinks=sinks, backend=self.implementation,
                       kernel_options=self.kernel_options)
+        if self.sparse is not None:
+            if decode:
+                raise NotImplementedError(_NO_SPARSE_DECODE)
+            if block_mask is not None:
+                raise ValueError("a sparse layer (sparse=SparseAttention(...)) chooses its own blocks: pass a "
+                                 "mask_mod, not a block_mask")
+            out = self._sparse_attention(x, q, k, v, score_mod, mask_mod, attend)
+            return self.out(out.reshape(B, T, self.num_heads * self.head_dim))
         if not decode:
             if block_mask is None and mask_mod is not None:
                 block_mask = block_mask_over_read_axes(mask_mod, B, self.num_heads, T, T)
@@ -325,6 +486,42 @@ class FlexMultiHeadAttention(nnx.Module):
                 out = paged.flex_attention(q, k_pages, v_pages, self.page_table[...], start + T, score_mod,
                                            block_mask, **attend)
         return self.out(out.reshape(B, T, self.num_heads * self.head_dim))
+
+    def _sparse_attention(self, x, q, k, v, score_mod, mask_mod, attend) -> jax.Array:
+        """(B, T, num_heads, head_dim): the attention of ``sparse`` (``SparseAttention``'s docstring)."""
+        sp, (B, T, H, _) = self.sparse, q.shape
+        bs = sp.block_size
+        base = masks.causal if mask_mod is None else and_masks(masks.causal, mask_mod)
+        states = block_mask_over_read_axes(base, B, H, T, T, block_size=bs).block_states()
+        if sp.kind == "moba":
+            scores = sparse.moba_scores(q, k, block_size=bs)
+            return flex_attention(q, k, v, score_mod, _topk_blocks(scores, states, sp.top_k, bs, base, T), **attend)
+        if self.gate is None:
+            raise ValueError("sparse=SparseAttention(kind='nsa') needs the gate parameter, which the layer creates "
+                             "when it is built with that option: pass sparse= to FlexMultiHeadAttention(...)")
+        l, d = sp.compress_size, sp.stride
+        scores = sparse.nsa_scores(q, k, block_size=bs, compress_size=l, stride=d)
+        o_slc = flex_attention(q, k, v, score_mod, _topk_blocks(scores, states, sp.top_k, bs, base, T), **attend)
+        window = and_masks(base, masks.sliding_window(sp.window - 1))
+        o_win = flex_attention(q, k, v, score_mod, block_mask_over_read_axes(window, B, H, T, T, block_size=bs),
+                               **attend)
+        if T >= l:
+            k_cmp, v_cmp = _compressed(k, l, d), _compressed(v, l, d)
+            allowed = None if mask_mod is None else _compressed_allowed(mask_mod, B, H, T, k_cmp.shape[1], l, d)
+
+            def ended(b, h, q_idx, kv_idx):  # compressed block kv_idx has ended, and the mask_mod allows its keys
+                ok = kv_idx * d + (l - 1) <= q_idx
+                if allowed is None:
+                    return ok
+                return ok & allowed[b if allowed.shape[0] > 1 else 0, h if allowed.shape[1] > 1 else 0, q_idx, kv_idx]
+
+            cmp_mask = block_mask_over_read_axes(ended, B, H, T, k_cmp.shape[1], block_size=bs)
+            o_cmp = flex_attention(q, k_cmp, v_cmp, None, cmp_mask, **attend)
+        else:  # no compressed block: every row has none
+            o_cmp = jnp.zeros_like(o_slc)
+        g = jax.nn.sigmoid(self.gate(x).astype(jnp.float32)).reshape(B, T, 3, H, 1)
+        out = g[:, :, 0] * o_cmp + g[:, :, 1] * o_slc + g[:, :, 2] * o_win
+        return out.astype(o_slc.dtype)
 
     def _stored(self, x) -> jax.Array:
         """New keys or values as the cache holds them (``init_cache``: 16-bit floats as uint16 on CPU)."""

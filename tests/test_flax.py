@@ -284,3 +284,169 @@ def test_flex_layer_bfloat16_cache_is_written_in_place_on_cpu(paging):
     widened = [ln for ln in hlo.splitlines() if re.search(rf"= f32\[{shape}\]", ln)
                and re.search(r"scatter|dynamic-update-slice|dynamic_update_slice", ln)]
     assert not widened, widened  # (the write in float32: the whole cache converted and back)
+
+
+# -- FlexMultiHeadAttention(sparse=SparseAttention(...)): MoBA and NSA --------------------------
+
+ST, SBLOCK, STOPK = 256, 32, 3  # 8 blocks of 32, 3 chosen per query block
+_SPARSE = {"moba": flexjax.flax.SparseAttention("moba", SBLOCK, STOPK),
+           "nsa": flexjax.flax.SparseAttention("nsa", SBLOCK, STOPK, window=48, compress_size=16, stride=8)}
+
+
+def _sparse_layer(kind):
+    """GQA (4 query heads on 2 kv heads), ALiBi as the layer's score_mod."""
+    return flexjax.flax.FlexMultiHeadAttention(N, F, num_kv_heads=2, score_mod=flexjax.mods.alibi(N),
+                                               sparse=_SPARSE[kind], implementation="xla", rngs=nnx.Rngs(0))
+
+
+def _sparse_x(seed):
+    return jax.random.normal(jax.random.PRNGKey(seed), (B, ST, F))
+
+
+def _doc_ids():
+    """Two packed documents a row, split at 100 and at 170: the call's mask_mod."""
+    return jnp.asarray(np.arange(ST)[None, :] >= np.array([[100], [170]]), jnp.int32)
+
+
+def _np_topk(scores, eligible, k):
+    """bool (B, H, nQ, nKV): each row's k highest scores among the eligible blocks (ties to the lower index),
+    fewer where fewer are eligible. Asserts that the k-th and the next differ, so the float32 layer's choice is
+    the same."""
+    s = np.where(eligible, scores, -np.inf)
+    order = np.argsort(-s, axis=-1, kind="stable")
+    ranked = np.take_along_axis(s, order, -1)
+    both = np.isfinite(ranked[..., k - 1]) & np.isfinite(ranked[..., k]) if k < s.shape[-1] else np.zeros(1, bool)
+    gap = np.abs(ranked[..., k - 1][both] - ranked[..., k][both])
+    assert gap.size == 0 or gap.min() > 1e-4 * max(1.0, np.abs(ranked[np.isfinite(ranked)]).max()), gap.min()
+    chosen = np.zeros(s.shape, bool)
+    np.put_along_axis(chosen, order[..., :k], True, -1)
+    return chosen & (s > -np.inf)
+
+
+def _sparse_choice(sp, qn, kn, eligible):
+    """bool (B, H, T, T): the pairs in the kv blocks each query block chooses, in NumPy (float64) from the
+    projected queries and keys (B, T, heads, head_dim), among the ``eligible`` blocks (B, 1, nQ, nKV)."""
+    nb, bi, i, hd, G = ST // SBLOCK, np.arange(ST // SBLOCK), np.arange(ST), qn.shape[-1], N // 2
+
+    def rules(s):  # the future never, the diagonal always
+        return np.where(bi[None, :] > bi[:, None], -np.inf, np.where(bi[None, :] == bi[:, None], np.inf, s))
+
+    if sp.kind == "moba":
+        qbar = qn.reshape(B, nb, SBLOCK, N, hd).mean(2)
+        kbar = np.repeat(kn.reshape(B, nb, SBLOCK, 2, hd).mean(2), G, axis=2)
+        scores = rules(np.einsum("bihd,bjhd->bhij", qbar, kbar))
+    else:
+        l, d = sp.compress_size, sp.stride
+        t = np.arange((ST - l) // d + 1)
+        kcmp = kn[:, t[:, None] * d + np.arange(l)].mean(2)  # (B, n, 2, hd)
+        logits = np.einsum("bshd,bthd->bhst", qn, np.repeat(kcmp, G, axis=2)) / np.sqrt(hd)
+        ended = t[None, :] * d + l - 1 <= i[:, None]  # (T, n)
+        logits = np.where(ended, logits, -np.inf)
+        e = np.exp(logits - np.maximum(logits.max(-1, keepdims=True), -1e300))  # 0 where not ended
+        p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)  # a query with no ended block: 0
+        overlap = (t[:, None] * d <= (bi[None, :] + 1) * SBLOCK - 1) & (t[:, None] * d + l - 1 >= bi[None, :] * SBLOCK)
+        pq = p.reshape(B, 2, G, nb, SBLOCK, -1).sum((2, 4))  # the GQA group's heads and the block's queries
+        scores = rules(np.repeat(np.einsum("bhqt,tj->bhqj", pq, overlap.astype(float)), G, axis=1))
+    return np.repeat(np.repeat(_np_topk(scores, eligible, STOPK), SBLOCK, 2), SBLOCK, 3)
+
+
+def _sparse_by_hand(layer, x, doc_ids, chosen=None):
+    """The layer by hand: its projections, the blocks chosen in NumPy (float64) from the projected q / k, and
+    dense attention over the implied (B, H, T, T) masks (jnp, HIGHEST precision), gated for NSA. ``chosen``:
+    the choice from an earlier call, for jax.grad (which does not differentiate it)."""
+    sp, hd = layer.sparse, layer.head_dim
+    q = layer.query(x).reshape(B, ST, N, hd)
+    k = layer.key(x).reshape(B, ST, 2, hd)
+    v = layer.value(x).reshape(B, ST, 2, hd)
+    nb, i, ids = ST // SBLOCK, np.arange(ST), np.asarray(doc_ids)
+    base = (i[:, None] >= i[None, :])[None, None] & (ids[:, None, :, None] == ids[:, None, None, :])  # (B, 1, T, T)
+    if chosen is None:
+        eligible = base.reshape(B, 1, nb, SBLOCK, nb, SBLOCK).any((3, 5))
+        chosen = _sparse_choice(sp, np.asarray(q, np.float64), np.asarray(k, np.float64), eligible)
+    slopes = jnp.asarray(flexjax.mods.alibi_slopes(N), jnp.float32)[:, None, None]
+
+    def attend(q, k, v, allowed, alibi=True):
+        k, v = jnp.repeat(k, N // k.shape[2], 2), jnp.repeat(v, N // v.shape[2], 2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(hd)
+        if alibi:
+            s = s + slopes * (i[None, :] - i[:, None])
+        s = jnp.where(allowed, s, -jnp.inf)
+        m = s.max(-1, keepdims=True)
+        e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0))
+        p = e / jnp.where(e.sum(-1, keepdims=True) > 0, e.sum(-1, keepdims=True), 1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+
+    out = attend(q, k, v, base & chosen)
+    if sp.kind == "nsa":
+        l, d = sp.compress_size, sp.stride
+        win = attend(q, k, v, base & (i[None, :] >= i[:, None] - (sp.window - 1)))
+        t = np.arange((ST - l) // d + 1)
+        keys = t[:, None] * d + np.arange(l)[None, :]  # (n, l)
+        ok = (t[None, :] * d + l - 1 <= i[:, None])[None, None] & (
+            ids[:, :, None, None] == ids[:, None, keys]).all(-1)[:, None]  # (B, 1, T, n)
+        mean = lambda a: a[:, keys].mean(2)  # noqa: E731
+        cmp = attend(q, mean(k), mean(v), ok, alibi=False)
+        g = jax.nn.sigmoid(layer.gate(x)).reshape(B, ST, 3, N, 1)
+        out = g[:, :, 0] * cmp + g[:, :, 1] * out + g[:, :, 2] * win
+    return layer.out(out.reshape(B, ST, N * hd)), chosen
+
+
+@pytest.mark.parametrize("kind", ["moba", pytest.param("nsa", marks=pytest.mark.ci_extra)])  # (nsa: 8-12 s)
+def test_sparse_layer_matches_by_hand_compiles_once_and_trains(kind):
+    """Two inputs of one shape through one compile, each equal to the layer by hand; the gradients equal the by-hand
+    layer's (the choice is not differentiated) and reach every projection (and NSA's gate)."""
+    layer, ids, traces = _sparse_layer(kind), _doc_ids(), []
+
+    @nnx.jit
+    def forward(m, x, ids):
+        traces.append(1)
+        return m(x, mask_mod=flexjax.masks.document(ids))
+
+    for seed in (1, 2):
+        x = _sparse_x(seed)
+        np.testing.assert_allclose(forward(layer, x, ids), _sparse_by_hand(layer, x, ids)[0], atol=3e-5)
+    assert len(traces) == 1
+
+    def loss(fn):
+        return lambda m: jnp.sum(fn(m) ** 2)
+
+    x = _sparse_x(1)
+    chosen = _sparse_by_hand(layer, x, ids)[1]
+    g = nnx.jit(nnx.grad(loss(lambda m: m(x, mask_mod=flexjax.masks.document(ids)))))(layer)
+    g_ref = nnx.grad(loss(lambda m: _sparse_by_hand(m, x, ids, chosen)[0]))(layer)
+    names = ["query", "key", "value", "out"] + (["gate"] if kind == "nsa" else [])
+    for name in names:
+        a, b = getattr(g, name).kernel[...], getattr(g_ref, name).kernel[...]
+        assert float(jnp.abs(a).max()) > 0, name
+        np.testing.assert_allclose(a, b, atol=2e-4 * float(jnp.abs(b).max()), err_msg=name)
+    assert ("gate" in nnx.state(layer, nnx.Param)) == (kind == "nsa")
+
+
+def test_sparse_layer_with_every_block_is_dense_causal_and_refusals():
+    """top_k at least the number of kv blocks chooses every causal block (top_k is capped): the dense causal
+    layer's output. Bad configurations name their field; the decode cache and a block_mask are refused."""
+    x = _x()  # T = 24: blocks of 8, 3 of them
+    dense = _layer(score_mod=flexjax.mods.alibi(N))
+    moba = flexjax.flax.FlexMultiHeadAttention(N, F, num_kv_heads=2, score_mod=flexjax.mods.alibi(N),
+                                               sparse=flexjax.flax.SparseAttention("moba", 8, 5),
+                                               implementation="xla", rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(moba(x), dense(x), atol=2e-5)
+    SA = flexjax.flax.SparseAttention
+    assert SA("nsa", 64, 4) == SA("nsa", 64, 4, window=512, compress_size=32, stride=16)  # NSA's sizes
+    for kw, field in (({"kind": "dense"}, "kind"), ({"block_size": 0}, "block_size"), ({"top_k": 2.0}, "top_k"),
+                      ({"top_k": True}, "top_k"), ({"window": 64}, "window"), ({"stride": 4}, "stride"),
+                      ({"kind": "nsa", "window": -1}, "window"), ({"kind": "nsa", "compress_size": 0}, "compress_size"),
+                      ({"kind": "nsa", "stride": "8"}, "stride")):
+        with pytest.raises(ValueError, match=f"SparseAttention: {field}"):
+            SA(**kw)
+    with pytest.raises(TypeError, match="SparseAttention"):
+        flexjax.flax.FlexMultiHeadAttention(N, F, sparse={"kind": "moba"}, rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="full-sequence"):
+        moba.init_cache(B, T)
+    with pytest.raises(NotImplementedError, match="full-sequence"):
+        moba(x, decode=True)
+    with pytest.raises(ValueError, match="mask_mod, not a block_mask"):
+        moba(x, block_mask=flexjax.create_block_mask(_causal, None, None, T, T))
+    moba.sparse = SA("nsa", 8, 2)  # switched to NSA after construction: no gate parameter
+    with pytest.raises(ValueError, match="gate"):
+        moba(x)

@@ -4,6 +4,7 @@ trains it for real."""
 
 import importlib.util
 import pathlib
+import re
 import sys
 
 import jax.numpy as jnp
@@ -59,3 +60,20 @@ def test_decoding_matches_the_forward_and_jax_nn():
     full = nnx.jit(lambda m, t: m(t, gpt.packed_attend(CFG, jnp.zeros(t.shape, jnp.int32))))(model, tokens)
     np.testing.assert_allclose(out["flex_logits"], full, atol=1e-4)
     assert out["tokens"].shape == (2, 12) and np.isfinite([out["flex_tokens_per_s"], out["jax_nn_tokens_per_s"]]).all()
+
+
+@pytest.mark.ci_extra  # (make test's budget)
+def test_sparse_example_quick_prints_both_losses(capsys):
+    """examples/gpt_sparse.py --quick: the dense and the MoBA model a few steps each, both losses finite and
+    printed with their step times. (`python examples/gpt_sparse.py` trains them at the default size.)"""
+    spec = importlib.util.spec_from_file_location(
+        "gpt_sparse_example", pathlib.Path(__file__).resolve().parent.parent / "examples" / "gpt_sparse.py")
+    gpt_sparse = sys.modules["gpt_sparse_example"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt_sparse)
+    assert gpt_sparse.main(["--quick", "--check"]) == 0
+    out = capsys.readouterr().out
+    for name in ("dense", "sparse"):
+        line = re.search(rf"^{name} +\(.*\): train loss (\S+) .* held out (\S+); (\S+) ms per training step", out, re.M)
+        assert line, out
+        assert np.isfinite([float(x) for x in line.groups()]).all(), line.group(0)
+    assert re.search(r"^sparse / dense time per training step: \d+\.\d\d", out, re.M), out
