@@ -37,6 +37,14 @@ in ``--out``, written as soon as it exists; after ``--deadline-s`` no compile or
 starts (those left are "skip" lines with reason "deadline"); gpu_check.sh passes its own
 deadline as ``--deadline-at`` (its clock), so JAX's import counts too.
 
+``--baselines-from FILE`` takes the baselines' ms from an earlier run's JSON lines (the same
+section, shape and baseline) instead of timing them again: gpu_check.sh times mosaic_gpu in
+a process of its own after the other kernels' (so that a hang of its kernels loses none of
+their figures), with the ratios against the cuDNN timings of their step. A baseline the file
+lacks is timed as usual. Where ``FLEXJAX_GPU_INJECT_HANG`` names a kernel backend (a test
+hook: benchmarks/gpu_smoke.py), the process sleeps where it would first build that backend's
+function. ``--impls ''`` times the baselines alone.
+
 ``--rehearsal`` runs the section on CPU: tiny float32 shapes, the kernels in their
 interpreters, and ``jax.nn.dot_product_attention(implementation="xla")`` in cuDNN's place
 (labelled "xla": the ratios are then against XLA, not cuDNN).
@@ -60,6 +68,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flexjax  # noqa: E402
+from benchmarks.gpu_smoke import hang_if_injected  # noqa: E402  (FLEXJAX_GPU_INJECT_HANG, a test hook)
 from benchmarks.specs import FWD_BWD_FACTOR, FWD_FLOPS_PER_PAIR_PER_DIM, document_ids, unmasked_pairs  # noqa: E402
 
 SECTIONS = ("timing", "sparsity", "sweep")
@@ -241,6 +250,9 @@ def run_jobs(jobs: list[Job], args, log, pool, deadline: float, q, k, v, do):
         if time.perf_counter() > deadline:
             job.reason = "deadline"
             continue
+        if job.key.get("role") != "baseline":
+            hang_if_injected(job.key["impl"], args.section, args.out, variant=job.key["variant"],
+                             **{"pass": job.key["pass"]})
         try:
             built = job.build()
             if isinstance(built, str):
@@ -284,7 +296,7 @@ def run_jobs(jobs: list[Job], args, log, pool, deadline: float, q, k, v, do):
             except Exception as e:  # noqa: BLE001
                 job.reason = _error(e)
     # Timing, one at a time, in the jobs' order (each baseline before the kernels it is compared with).
-    baselines: dict[tuple, dict] = {}
+    baselines: dict[tuple, dict] = {where: dict(ms) for where, ms in args.known_baselines.items()}
     for job in jobs:
         key = job.key
         if job.not_applicable:
@@ -310,6 +322,8 @@ def run_jobs(jobs: list[Job], args, log, pool, deadline: float, q, k, v, do):
         else:
             for name, ms in baselines.get(where, {}).items():
                 record[f"vs_{name}"] = round(ms / measured["ms"], 3)
+                if name in args.known_baselines.get(where, {}):
+                    record.setdefault("baselines_from", {})[name] = os.path.basename(args.baselines_from)
         log(kind="time", **record)
         job.compiled = job.args = None  # frees the executable and its residuals before the next measurement
 
@@ -345,6 +359,8 @@ def section_jobs(args, S: int) -> list[list[Job]]:
             for pass_ in PASSES:
                 for form in forms:
                     name = args.baseline if args.section == "timing" else f"{args.baseline}_{form}"
+                    if name in args.known_baselines.get((S, variant, pass_), {}):
+                        continue  # timed by an earlier process (--baselines-from)
                     jobs.append(Job({**common, "variant": variant, "pass": pass_, "impl": name, "role": "baseline"},
                                     base(form, variant)))
                 for impl in args.impls:
@@ -424,7 +440,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16")
     p.add_argument("--block", type=int, help="the BlockMask's block (default 128, flexjax's)")
     p.add_argument("--window", type=int, help="the sliding window's keys back (default 1024)")
-    p.add_argument("--impls", default=",".join(KERNELS), help="flexjax kernel backends (timing, sparsity)")
+    p.add_argument("--impls", default=",".join(KERNELS),
+                   help="flexjax kernel backends (timing, sparsity); '' for the baselines alone")
+    p.add_argument("--baselines-from", help="JSON lines of an earlier run of the section whose baseline timings "
+                                            "to reuse (those it has) instead of timing them again")
     p.add_argument("--baseline", choices=("cudnn", "xla"), help="jax.nn.dot_product_attention's implementation")
     p.add_argument("--calls", type=int, help="back-to-back calls per synchronisation (default 20)")
     p.add_argument("--reps", type=int, help="synchronised repetitions, median reported (default 5; sparsity 3)")
@@ -453,13 +472,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("batch", "head_dim", "block", "window", "calls", "reps", "workers"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.impls = args.impls.split(",")
+    args.impls = [impl for impl in args.impls.split(",") if impl]
     if set(args.impls) - set(KERNELS):
         p.error(f"unknown --impls {sorted(set(args.impls) - set(KERNELS))}; choose from {list(KERNELS)}")
     args.fwd_points = parse_points(args.fwd_points, "--fwd-points")
     args.bwd_points = parse_points(args.bwd_points, "--bwd-points")
     args.dkv_points = parse_points(args.dkv_points, "--dkv-points")
+    args.known_baselines = known_baselines(args)
     return args
+
+
+def known_baselines(args) -> dict[tuple, dict[str, float]]:
+    """{(S, variant, pass): {baseline name: ms}} of ``--baselines-from``'s timings at this
+    section's shapes ({} without it, or where the file is missing or has none)."""
+    known: dict[tuple, dict[str, float]] = {}
+    if not args.baselines_from or not os.path.exists(args.baselines_from):
+        return known
+    shape = {"section": args.section, "B": args.batch, "Hq": args.heads[0], "Hkv": args.heads[1],
+             "D": args.head_dim, "dtype": args.dtype}
+    with open(args.baselines_from) as fh:
+        for line in fh:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line of a cut run
+                continue
+            if (r.get("kind") == "time" and r.get("role") == "baseline" and r.get("S") in args.lengths
+                    and all(r.get(k) == v for k, v in shape.items())):
+                known.setdefault((r["S"], r["variant"], r["pass"]), {})[r["impl"]] = r["ms"]
+    return known
 
 
 def main(argv=None) -> int:
@@ -478,7 +518,9 @@ def main(argv=None) -> int:
     log(kind="env", section=args.section, device=str(jax.devices()[0]), jax=jax.__version__, dtype=args.dtype,
         B=args.batch, Hq=args.heads[0], Hkv=args.heads[1], D=args.head_dim, lengths=args.lengths, block=args.block,
         window=args.window, docs=DOCS, baseline=baseline, calls_per_sync=args.calls, reps=args.reps,
-        flops=FLOP_CONVENTION, deadline_s=args.deadline_s, interpret=args.interpret)
+        flops=FLOP_CONVENTION, deadline_s=args.deadline_s, interpret=args.interpret, impls=args.impls,
+        baselines_from=args.baselines_from and os.path.basename(args.baselines_from),
+        baselines_reused=sum(len(ms) for ms in args.known_baselines.values()))
     dtype = DTYPES[args.dtype]
     try:
         with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:

@@ -2,10 +2,17 @@
 
     python benchmarks/gpu_summary.py OUT_DIR
 
-Reads what the steps wrote under OUT_DIR (gpu_tests.jsonl, timing.jsonl, sparsity.jsonl,
-sweep.jsonl, steps.jsonl), as far as they got: a run that was cut still gets a summary,
-with the goals it did not reach "not measured". Writes OUT_DIR/summary.json and prints
-the same as text. Standard library only, so it runs whatever state JAX is in.
+Reads what the steps wrote under OUT_DIR (smoke.jsonl, gpu_tests.jsonl, timing.jsonl,
+sparsity.jsonl, sweep.jsonl, the late backends' timing.<backend>.jsonl and
+sparsity.<backend>.jsonl, steps.jsonl), as far as they got: a run that was cut still gets a
+summary, with the goals it did not reach "not measured". Writes OUT_DIR/summary.json and
+prints the same as text. Standard library only, so it runs whatever state JAX is in.
+
+``backends`` (first in the text): those the smoke test of step 0 kept, those run late (each in
+processes of its own after the others' figures), and each dropped one with the reason: how its
+smoke process ended (gpu_check.sh's words in steps.jsonl) and what it had written
+(benchmarks/gpu_smoke.py's line: its error, or the hang FLEXJAX_GPU_INJECT_HANG injected);
+then each test or timing process that was cut or failed.
 
 The goals (issue 29), each judged only on the shape it names, against cuDNN:
 - causal forward >= 1.0x cuDNN, causal backward >= 0.9x cuDNN: bfloat16, D=128, S=8192 (issue 44)
@@ -20,6 +27,7 @@ listed as ``stand_in``, for the record only.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -49,6 +57,43 @@ def read_jsonl(path: str) -> list[dict]:
             except json.JSONDecodeError:
                 pass
     return records
+
+
+def read_section(out_dir: str, section: str) -> list[dict]:
+    """``section``.jsonl, then the late backends' ``section``.<backend>.jsonl (their own processes)."""
+    late = sorted(glob.glob(os.path.join(out_dir, f"{section}.*.jsonl")))
+    return [r for path in [os.path.join(out_dir, f"{section}.jsonl"), *late] for r in read_jsonl(path)]
+
+
+def backends_summary(steps: list[dict], smoke: list[dict]) -> dict:
+    """The kernel backends step 0 kept and dropped (with the reason), and the processes cut or failed later."""
+    start = next((r for r in steps if r.get("step") == "smoke" and r.get("event") == "start"), {})
+    end = next((r for r in steps if r.get("step") == "smoke" and r.get("event") == "end"), {})
+    out = {"requested": start.get("backends", []), "kept": end.get("kept", []), "late": end.get("late", []),
+           "injected_hang": next((r.get("spec") for r in steps if r.get("event") == "inject_hang"), None),
+           "dropped": {}, "smoke": {}}
+    for r in smoke:
+        if r.get("kind") == "smoke":
+            out["smoke"][r["backend"]] = {k: r[k] for k in ("outcome", "wall_s", "call_s", "error") if k in r}
+        elif r.get("kind") == "injected_hang":
+            out["smoke"][r["backend"]] = {"outcome": "injected hang", "error": r.get("note", "")}
+    for r in steps:
+        if r.get("step") == "smoke" and r.get("event") == "backend" and not r.get("kept"):
+            said = out["smoke"].get(r["backend"])
+            reason = r.get("reason", f"rc {r.get('rc')}")
+            if said:
+                reason += f"; it had written: {said['outcome']}" + (f" ({said['error'][:300]})" if said.get("error")
+                                                                     else "")
+            else:
+                reason += "; it had written nothing"
+            out["dropped"][r["backend"]] = reason
+    out["inaccurate"] = {b: r.get("error", "") for b, r in out["smoke"].items() if r.get("outcome") == "inaccurate"}
+    # The tests' processes one by one; the timing steps (one process each) by their end.
+    out["cut_or_failed"] = [
+        {k: r.get(k) for k in ("step", "backend", "shard", "rc", "timeout_s")} for r in steps
+        if r.get("rc") not in (0, None) and (r.get("event") == "process" or (
+            r.get("event") == "end" and r["step"].split(":")[0] in ("timing", "sparsity", "sweep")))]
+    return out
 
 
 def tests_summary(records: list[dict]) -> dict:
@@ -115,13 +160,15 @@ def rows(records: list[dict]) -> list[dict]:
 
 def summarize(out_dir: str) -> dict:
     tests = read_jsonl(os.path.join(out_dir, "gpu_tests.jsonl"))
-    sections = {s: read_jsonl(os.path.join(out_dir, f"{s}.jsonl")) for s in ("timing", "sparsity", "sweep")}
+    sections = {s: read_section(out_dir, s) for s in ("timing", "sparsity", "sweep")}
+    step_lines = read_jsonl(os.path.join(out_dir, "steps.jsonl"))
     steps = {}
-    for r in read_jsonl(os.path.join(out_dir, "steps.jsonl")):
-        if r.get("event") != "start":
-            steps[r["step"]] = {"event": r["event"], "rc": r.get("rc"), "t_s": r.get("t_s")}
+    for r in step_lines:
+        if r.get("event") in ("end", "skipped"):
+            steps[r["step"]] = {k: r[k] for k in ("event", "rc", "t_s", "reason") if k in r}
     env = _env(sections["timing"]) or _env(sections["sparsity"]) or _env(sections["sweep"])
-    return {"goals": [goal_status(g, sections[g["section"]]) for g in GOALS],
+    return {"backends": backends_summary(step_lines, read_jsonl(os.path.join(out_dir, "smoke.jsonl"))),
+            "goals": [goal_status(g, sections[g["section"]]) for g in GOALS],
             "tests": tests_summary(tests),
             "device": env.get("device"), "jax": env.get("jax"), "baseline": env.get("baseline"),
             "flops": env.get("flops"), "steps": steps,
@@ -132,8 +179,20 @@ def _ratio_text(r: dict) -> str:
     return "".join(f" {k[3:]} x{v:.2f}" for k, v in r.items() if k.startswith("vs_"))
 
 
+def backends_text(b: dict) -> list[str]:
+    lines = [f"== backends (step 0's smoke test): kept {', '.join(b['kept']) or 'none'}"
+             + (f"; late, in processes of their own: {', '.join(b['late'])}" if b["late"] else "")
+             + (f"; FLEXJAX_GPU_INJECT_HANG={b['injected_hang']}" if b["injected_hang"] else "")]
+    lines += [f"  dropped {name}: {reason}" for name, reason in b["dropped"].items()]
+    lines += [f"  inaccurate {name} (kept): {error[:300]}" for name, error in b["inaccurate"].items()]
+    lines += [f"  cut or failed: {' '.join(str(p[k]) for k in ('step', 'backend', 'shard') if p.get(k))} rc {p['rc']}"
+              + (f" (timed out after {p['timeout_s']} s)" if p["rc"] in (124, 137) and p.get("timeout_s")
+                 else " (timed out)" if p["rc"] in (124, 137) else "") for p in b["cut_or_failed"]]
+    return lines
+
+
 def text(summary: dict) -> str:
-    lines = ["== goals"]
+    lines = backends_text(summary["backends"]) + ["== goals"]
     for g in summary["goals"]:
         detail = ", ".join(f"{impl} " + "/".join(f"{p} {v:.2f}" for p, v in per.items())
                            for impl, per in g.get("ratios", {}).items())

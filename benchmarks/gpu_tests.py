@@ -18,11 +18,14 @@ captures, of the loss ``<out, dO> + 0.1 * sum(finite lse)``. Dropout needs no de
 its own: the keep mask is a hash of (key, b, h, q, kv), which the reference backend
 evaluates densely from the same key.
 
-The reference is computed once per (case, shape) and both backends are compared with it.
-Its memory is a few (B, Hq, Sq, Skv) float32 arrays (the CPU compiler's estimate: 4.4 of
-them, 7.3 with the relative bias's gather and scatter): about 18-29 GiB at S=8192, B=1,
-Hq=16, which is why that shape has B=1, and why the shards, which run in parallel (one
-GPU, several compiling processes), run their ragged cases first.
+The reference is computed once per (case, shape) and process, and each of its backends is
+compared with it. Its memory is a few (B, Hq, Sq, Skv) float32 arrays (the CPU compiler's
+estimate: 4.4 of them, 7.3 with the relative bias's gather and scatter): about 18-29 GiB at
+S=8192, B=1, Hq=16, which is why that shape has B=1, why the shards, which run in parallel
+(one GPU, several compiling processes), run their ragged cases first, and why gpu_check.sh
+runs no more of them at once than the GPU's memory holds (~30 GiB each). gpu_check.sh gives
+each backend its own processes (``--backends`` one at a time; the reference is computed in
+each), so that a backend that hangs takes none of the others' results with it.
 
 A case a backend refuses (for triton, where jax-triton does not import) is "unsupported",
 with the reason, and counts as not passed. Each result appends one JSON line to ``--out``
@@ -54,6 +57,7 @@ sys.path.insert(0, _ROOT)
 from checks import FUDGE, RTOL, _err, _scale  # noqa: E402  (the CPU suite's tolerances, without pytest)
 
 import flexjax  # noqa: E402
+from benchmarks.gpu_smoke import hang_if_injected  # noqa: E402  (FLEXJAX_GPU_INJECT_HANG, a test hook)
 from flexjax import masks, mods  # noqa: E402
 
 CASES = ("causal", "alibi", "relative_bias", "sliding_window", "documents", "dropout")
@@ -214,6 +218,7 @@ def run_unit(name, shape, args, dtype, options, out_path) -> int:
     for backend in args.backends:
         t = time.perf_counter()
         record = {**base, "backend": backend, **reference}
+        hang_if_injected(backend, "tests", out_path, case=name, shape=list(shape), shard=args.shard)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
