@@ -391,7 +391,9 @@ def _sparse_by_hand(layer, x, doc_ids, chosen=None):
     return layer.out(out.reshape(B, ST, N * hd)), chosen
 
 
-@pytest.mark.parametrize("kind", ["moba", pytest.param("nsa", marks=pytest.mark.ci_extra)])  # (nsa: 8-12 s)
+# (make test's budget: 8-12 s each; make test checks the layer by test_sparse_layer_with_every_block_...)
+@pytest.mark.parametrize("kind", [pytest.param("moba", marks=pytest.mark.ci_extra),
+                                  pytest.param("nsa", marks=pytest.mark.ci_extra)])
 def test_sparse_layer_matches_by_hand_compiles_once_and_trains(kind):
     """Two inputs of one shape through one compile, each equal to the layer by hand; the gradients equal the by-hand
     layer's (the choice is not differentiated) and reach every projection (and NSA's gate)."""

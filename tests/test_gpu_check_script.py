@@ -215,6 +215,7 @@ def test_slots_rule():
                           timeout=10).returncode == 2
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_a_hanging_backend_is_dropped_at_the_smoke_test(tmp_path):
     """FLEXJAX_GPU_INJECT_HANG=mosaic_gpu: its smoke test times out, it is dropped with the reason
     and runs nowhere later; the others are tested (one process each: an H100's 2 slots) and timed,
@@ -256,6 +257,7 @@ def test_a_hanging_backend_is_dropped_at_the_smoke_test(tmp_path):
     assert ("sweep", "skipped") in {(s["step"], s["event"]) for s in _steps(out)}  # triton's
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_a_backend_that_hangs_later_takes_only_its_own_results(tmp_path):
     """A hang in the tests (triton's process) and in the late backend's timing (mosaic_gpu's, run after the
     others' with their cuDNN figures): each is cut at its own limit, and every other process's results are

@@ -118,6 +118,7 @@ def test_write_past_a_sequences_pages_lands_nowhere():
     np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_pages))
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_paged_and_ragged_calls_check_scale_and_kernel_options_as_flex_attention_does():
     """One rule for every entry point: a scale that is not a real number is a TypeError, a kernel_options key no
     backend takes a ValueError naming it (before: float(scale) took "0.5" and the paged path passed unknown

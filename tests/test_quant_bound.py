@@ -79,6 +79,7 @@ def test_single_token_writes_of_growing_magnitude():
         _run(dtype, [(0, t, 1, 1.0 + 0.05 * t) for t in range(PAGE)] * 2, seed=0)
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_released_pages_start_a_new_scale():
     """A page freed by release (with the scales) and reserved by another sequence is quantized from its new
     content, not from the scale of what it held before."""

@@ -123,6 +123,7 @@ def test_ragged_gradients(backend):
     assert_close("grads", got, truth, truth, jnp.float32)
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_ragged_reads_only_reachable_pages():
     """Pages no query can reach (past a sliding window, or unassigned past a length) are
     filled with NaN: a tile that read them would poison its rows."""

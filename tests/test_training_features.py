@@ -192,6 +192,7 @@ def test_dropout_is_the_same_for_every_tile_and_backend():
     _close(run(backend="pallas"), base)
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_dropout_rate_zero_is_bitwise_the_plain_path_and_keys_differ():
     q, k, v, table = _inputs(3)
     plain = _flex(q, k, v, table, {"backend": "xla"})
