@@ -305,6 +305,7 @@ def test_max_and_min_scores(target):
 # -- dropout (the harness of test_dropout_kernels.py: the backend's forward and backward
 # against jax.vjp of the dense math with the same keep mask) -----------------------------------
 
+@pytest.mark.ci_extra  # (make test's budget: dropout is test_dropout_kernels.py's and test_training_features.py's)
 @pytest.mark.parametrize("target,name", _params(select=lambda t: t.backend != "reference",
                                                 values=lambda t: [(n, n) for n in ("causal", "causal+relative_bias")],
                                                 slow=lambda t: t.backend == "pallas"))

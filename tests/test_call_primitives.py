@@ -166,7 +166,8 @@ def _mask_in_call(b, h, q_idx, kv_idx):
 
 
 @pytest.mark.parametrize("backend,options", [pytest.param("xla", None, marks=pytest.mark.slow), ("pallas", None),
-                                             ("pallas", {"target": "tpu", "interpret": True})])
+                                             pytest.param("pallas", {"target": "tpu", "interpret": True},
+                                                          marks=pytest.mark.ci_extra)])
 def test_arrays_closed_over_inside_calls(backend, options):
     """A nested call's own arrays reach the kernels as constants (they used to be refused)."""
     key = jax.random.split(jax.random.PRNGKey(1), 3)

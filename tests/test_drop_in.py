@@ -113,7 +113,7 @@ def test_matches_jax_nn_on_reference(case):
     _compare(case, "reference")
 
 
-@pytest.mark.parametrize("case", ["everything", "mask_per_head_window"])
+@pytest.mark.parametrize("case", ["everything", pytest.param("mask_per_head_window", marks=pytest.mark.ci_extra)])
 def test_matches_jax_nn_on_pallas_interpreted(case):
     _compare(case, "pallas")
 

@@ -204,6 +204,7 @@ def _alibi_sinks_layer():
     return layer
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_flex_layer_paged_decode_matches_contiguous_and_full_forward():
     """Token by token (one compile a cache) through pages of 8 under nnx.jit."""
     layer, x = _alibi_sinks_layer(), _x()

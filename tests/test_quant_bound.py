@@ -210,6 +210,7 @@ def test_write_and_attend_with_a_tail_matches_write():
                                                  int(table[1, (lens[1] - 1) // PAGE]))
 
 
+@pytest.mark.ci_extra  # (make test's budget)
 def test_release_clears_the_tail_rows_and_bad_tails_are_refused():
     k_pages, v_pages = paged.allocate(NUM_PAGES, PAGE, HKV, D, jnp.int8)
     scale = jnp.zeros((NUM_PAGES, HKV), jnp.float32)

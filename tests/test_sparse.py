@@ -292,7 +292,7 @@ def test_nsa_gqa_group_heads_choose_the_same_blocks():
 
 def _backends():
     return [pytest.param("xla", None, id="xla"),
-            pytest.param("reference", None, id="reference"),
+            pytest.param("reference", None, id="reference", marks=pytest.mark.ci_extra),
             pytest.param("pallas", None, id="pallas", marks=pytest.mark.ci_extra)]  # (make test's budget)
 
 

@@ -64,7 +64,8 @@ def test_catalog_float32(name, shape):
 _DEFAULT_TILES = ("sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
 
 
-@pytest.mark.parametrize("name", sweep([c.name for c in CATALOG], _DEFAULT_TILES, ids=[c.name for c in CATALOG]))
+@pytest.mark.parametrize("name", sweep([c.name for c in CATALOG], _DEFAULT_TILES, ids=[c.name for c in CATALOG],
+                                      extra=("document+t5", "per_head_mask+relative_bias")))
 def test_catalog_default_tiles(name):
     _check(BY_NAME[name], SHAPES["gqa_unequal"], jnp.float32)
 
