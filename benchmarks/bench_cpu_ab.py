@@ -8,13 +8,22 @@ current one and a worktree of an older commit, and compare pair by pair:
 
     git worktree add /tmp/old <commit>
     for i in 1 2 3; do
-      PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_cpu_ab.py
-      PYTHONPATH=/tmp/old .venv/bin/python benchmarks/bench_cpu_ab.py
+      .venv/bin/python benchmarks/bench_cpu_ab.py --tree $PWD
+      .venv/bin/python benchmarks/bench_cpu_ab.py --tree /tmp/old
     done
+
+``--tree`` imports flexjax from that source tree (``.venv``'s editable install would otherwise
+win over PYTHONPATH, and both runs would time the current tree).
 """
 
 import json
+import sys
 import time
+
+if "--tree" in sys.argv:  # before flexjax is imported
+    _tree = sys.argv[sys.argv.index("--tree") + 1]
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (getattr(f, "__module__", "") + repr(f)).lower()]
+    sys.path.insert(0, _tree)
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +81,7 @@ def main():
                          argnums=(0, 1, 2, 3)))
     out["loops fwd causal+relbias S=2048"] = timeit(f, q, k, v, t)
     out["loops fwdbwd causal+relbias S=2048"] = timeit(g, q, k, v, t, n=3)
+    out["tree"] = flexjax.__file__.rsplit("/flexjax/", 1)[0]
     print(json.dumps(out))
 
 
