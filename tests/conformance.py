@@ -1,111 +1,30 @@
 """The conformance suite: what every backend must do, run once per backend against the dense reference.
 
 Each backend (and each of its templates that runs on a CPU host) is a ``Target`` with
-capability flags; every test here is parametrised over ``TARGETS`` and skips what a target
-declares it cannot do. Per-backend files (test_xla.py, test_pallas.py, test_triton_*.py)
+capability flags in the registry (``tests/targets.py``); every test here is parametrised over it
+and skips what a target declares it cannot do. Per-backend files (test_xla.py, test_pallas.py, test_triton_*.py)
 keep only what is specific to one backend (its tiles, templates, heuristics, limits).
 
 pytest collects this file directly (``python_files`` in pyproject.toml). The triton target
 needs Triton and torch (its interpreter): it runs under ``make test-compile`` (marker
-``triton``) and is skipped by ``make test``. A new backend adds one ``Target`` here.
+``triton``) and is skipped by ``make test``. A new backend adds one ``Target`` line to tests/targets.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from catalog import CATALOG, SHAPES, check_case, inputs, loss_and_grads, run_case
+from catalog import SHAPES, check_case, inputs, loss_and_grads, run_case
 from checks import assert_close
+from targets import params as _params
 
 import flexjax
 from flexjax.backends import available_backends, get_backend
 from flexjax.backends._contract import Backend
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A backend as the suite runs it on a CPU host.
-
-    Attributes:
-      id: the test id.
-      backend: the ``backend=`` name.
-      options: kernel_options selecting the template (None: the host's default).
-      dtypes: the 16-bit dtypes it serves here (float32 always).
-      tiles: kernel_options that split and regroup the BlockMask's blocks ({} where it takes no tiles).
-      cases: the catalog entries of the default run (the whole catalog runs in its own files or slow).
-      low_cases: the catalog entries run in each of ``dtypes``.
-      shape: (B, Sq, Skv, Hq, Hkv, D, Dv) of the catalog tests (GQA, ragged lengths, Dv != D).
-      captured_grads: gradients reach arrays the score_mod closes over, gathered in the kernel.
-      needs: modules that must import (the target is skipped otherwise).
-      marks: pytest marks of every test of this target.
-    """
-
-    id: str
-    backend: str
-    options: dict | None = None
-    dtypes: tuple = (jnp.bfloat16, jnp.float16)
-    tiles: dict = dataclasses.field(default_factory=dict)
-    cases: tuple = ("causal+soft_cap", "sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
-    low_cases: tuple = ("causal+soft_cap",)
-    shape: tuple = SHAPES["gqa_unequal"]
-    captured_grads: bool = True
-    needs: tuple = ()
-    marks: tuple = ()
-
-    def kw(self, extra: dict | None = None) -> dict:
-        options = {**(self.options or {}), **(extra or {})}
-        return {"backend": self.backend, **({"kernel_options": options} if options else {})}
-
-
-def _interpreter_bf16() -> tuple:
-    """bfloat16 for the triton target where Triton's interpreter computes its dots right."""
-    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
-        return ()
-    from flexjax.backends.triton import _launch
-
-    return (jnp.bfloat16, jnp.float16) if _launch.interpreter_bf16_dot_ok() else (jnp.float16,)
-
-
-TARGETS = (
-    Target("reference", "reference", cases=("causal+soft_cap",)),
-    Target("xla", "xla", tiles={"split": None, "regroup": {"block_q": 128, "block_kv": 64, "bwd_block_q": 64,
-                                                          "bwd_block_kv": 128}},
-           cases=("causal+soft_cap", "sliding_window+alibi")),  # the whole catalog: test_xla.py
-    Target("pallas", "pallas", dtypes=(jnp.bfloat16,),
-           tiles={"split": {"block_q": 32, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 32},
-                  "regroup": {"block_q": 128, "block_kv": 64, "bwd_block_q": 64, "bwd_block_kv": 128}}),
-    Target("pallas_tpu", "pallas", {"target": "tpu", "interpret": True}, dtypes=(),
-           cases=("sliding_window+alibi",)),
-    Target("triton", "triton", dtypes=(), needs=("triton", "torch"), marks=(pytest.mark.triton,),
-           tiles={"split": {"block_q": 32, "block_kv": 16, "bwd_block_q": 16, "bwd_block_kv": 32},
-                  "regroup": {"block_q": 128, "block_kv": 128, "bwd_block_q": 64, "bwd_block_kv": 128}},
-           cases=tuple(c.name for c in CATALOG), low_cases=tuple(c.name for c in CATALOG),
-           shape=(1, 130, 200, 4, 2, 16, 8)),  # batch 1: the interpreter runs every tile op in NumPy
-)
-_BF16 = _interpreter_bf16()
-TARGETS = tuple(dataclasses.replace(t, dtypes=_BF16) if t.id == "triton" else t for t in TARGETS)
-
-
-def _params(select=lambda t: True, values=None, slow=lambda t: False):
-    """pytest params over the targets ``select`` keeps, crossed with ``values`` when given;
-    those ``slow`` picks run under ``make test-all`` (the default suite's time budget)."""
-    out = []
-    for t in TARGETS:
-        if not select(t):
-            continue
-        missing = [m for m in t.needs if importlib.util.find_spec(m) is None]
-        marks = list(t.marks) + ([pytest.mark.skip(reason=f"needs {', '.join(missing)}")] if missing else [])
-        marks += [pytest.mark.slow] if slow(t) else []
-        for value, vid in (values(t) if values else [(None, None)]):
-            args = (t,) if values is None else (t, value)
-            out.append(pytest.param(*args, id=t.id if vid is None else f"{t.id}-{vid}", marks=marks))
-    return out
-
 
 # -- the contract ----------------------------------------------------------------------------
 
@@ -133,7 +52,7 @@ def test_supports_answers_without_raising(target):
                          kernel_options=tuple(sorted((target.options or {}).items())))
     reason = backend.supports(spec, q, q, q)
     assert reason is None or isinstance(reason, str)
-    if target.backend in ("xla", "pallas", "triton"):
+    if target.options_checked:
         bad = dataclasses.replace(spec, kernel_options=(("block_q", -3),))
         with pytest.raises(ValueError, match="block_q"):
             backend.validate_options(bad)
@@ -233,7 +152,7 @@ def test_captured_row_and_column_grads(target):
     assert_close("rows_cols", got, ref, ref, jnp.float32)
 
 
-@pytest.mark.parametrize("target", _params(select=lambda t: t.id != "pallas_tpu"))  # Mosaic: no in-kernel gather
+@pytest.mark.parametrize("target", _params(select=lambda t: t.gathers))
 def test_bool_table_mask(target):
     """A mask_mod reading a captured bool array at (q_idx, kv_idx)."""
     shape = (1, 70, 50, 2, 1, 8, 16)
@@ -306,7 +225,7 @@ def test_max_and_min_scores(target):
 # against jax.vjp of the dense math with the same keep mask) -----------------------------------
 
 @pytest.mark.ci_extra  # (make test's budget: dropout is test_dropout_kernels.py's and test_training_features.py's)
-@pytest.mark.parametrize("target,name", _params(select=lambda t: t.backend != "reference",
+@pytest.mark.parametrize("target,name", _params(select=lambda t: t.dropout_kernel,
                                                 values=lambda t: [(n, n) for n in ("causal", "causal+relative_bias")],
                                                 slow=lambda t: t.backend == "pallas"))
 def test_dropout_matches_dense(target, name):

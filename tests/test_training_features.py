@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from targets import TARGETS, marks_of, params
 
 import flexjax
 from flexjax import masks
@@ -98,7 +99,9 @@ def _close(a, b, tol=2e-5):
     np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
-BACKENDS = [pytest.param({"backend": "xla"}, id="xla"), pytest.param(PALLAS, id="pallas")]
+# The registry's targets that run these checks (tests/targets.py: ``training``); the interpreted pallas
+# target in make test-all (make test's budget), triton's under its marker (make test-compile).
+TRAINING = params(select=lambda t: t.training, slow=lambda t: t.training_cost == "interpreted")
 
 
 # -- sinks -------------------------------------------------------------------------------
@@ -109,6 +112,8 @@ BACKENDS = [pytest.param({"backend": "xla"}, id="xla"), pytest.param(PALLAS, id=
     pytest.param(PALLAS, 2, id="pallas-two_sinks", marks=pytest.mark.slow),
     pytest.param({"backend": "xla"}, 2, id="xla-two_sinks", marks=pytest.mark.slow),
     pytest.param(PALLAS, None, id="pallas-one_sink", marks=pytest.mark.slow),
+    *[pytest.param(t.kw(), None, id=f"{t.id}-one_sink", marks=marks_of(t)) for t in TARGETS
+      if t.training and t.training_cost == "compiled"],
 ])
 def test_sinks_forward_and_grads(backend_kw, n_sinks):
     q, k, v, table = _inputs()
@@ -220,10 +225,10 @@ def test_dropout_argument_errors():
 
 # -- auxiliary outputs -------------------------------------------------------------------
 
-# pallas in make test-all (make test's time budget); make test checks pallas' lse aux in
-# test_paged.py's test_sinks_and_aux_lse[pallas].
-@pytest.mark.parametrize("backend_kw", [BACKENDS[0], pytest.param(PALLAS, id="pallas", marks=pytest.mark.slow)])
-def test_max_scores_and_lse_aux(backend_kw):
+# (make test checks pallas' lse aux in test_paged.py's test_sinks_and_aux_lse[pallas].)
+@pytest.mark.parametrize("target", TRAINING)
+def test_max_scores_and_lse_aux(target):
+    backend_kw = target.kw()
     q, k, v, table = _inputs(4)
     out, aux = _flex(q, k, v, table, backend_kw, return_aux=flexjax.AuxRequest(lse=True, max_scores=True))
     out_r, lse_r, max_r = _dense(q, k, v, table)
@@ -247,8 +252,9 @@ def test_return_aux_errors():
 
 # -- forward-mode AD ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend_kw", [BACKENDS[0], pytest.param(PALLAS, id="pallas", marks=pytest.mark.slow)])
-def test_jvp_matches_dense(backend_kw):
+@pytest.mark.parametrize("target", TRAINING)
+def test_jvp_matches_dense(target):
+    backend_kw = target.kw()
     q, k, v, table = _inputs(5)
     sinks = jnp.array([0.1, -0.5, 1.0, 0.3])
     primals = (q, k, v, table, sinks)
