@@ -143,7 +143,7 @@ def _cases():
 
 @pytest.mark.parametrize("backend,options", [
     ("xla", None), pytest.param("xla", {"block_q": 64, "block_kv": 64}, marks=pytest.mark.slow),
-    ("pallas", None), ("pallas", {"target": "tpu", "interpret": True})],
+    ("pallas", None), pytest.param("pallas", {"target": "tpu", "interpret": True}, marks=pytest.mark.ci_extra)],
     ids=["xla", "xla_coarse", "pallas_gpu_interpret", "pallas_tpu_interpret"])
 # Default suite: the sliding-window case on every backend; `make test-all` runs the other masks.
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == 1 else pytest.mark.slow)

@@ -74,13 +74,14 @@ def _scalars():
 # catalog's captured_scalars entry in test_xla.py and test_cpu_kernel.py); every backend in
 # both modes under `make test-all`.
 _MODES = [(b, t) for b in BACKENDS for t in (False, True)]
-# (make test's budget: the GPU template under jit by default; the TPU template's eager mode in
-# make test-all, with the others.)
-_DEFAULT_MODES = [("pallas_gpu", True)]
+# (make test's budget: the GPU template under jit in make test-extra, the others in make test-all;
+# make test runs test_catalog_scalars.)
+_EXTRA_MODES = [("pallas_gpu", True)]
 
 
 @pytest.mark.parametrize("backend,traced", [
-    pytest.param(b, t, id=f"{b}-{'jit' if t else 'eager'}", marks=() if (b, t) in _DEFAULT_MODES else pytest.mark.slow)
+    pytest.param(b, t, id=f"{b}-{'jit' if t else 'eager'}",
+                 marks=pytest.mark.ci_extra if (b, t) in _EXTRA_MODES else pytest.mark.slow)
     for b, t in _MODES])
 def test_scalars_forward_and_backward(backend, traced):
     """Out, lse and the gradients to q, k, v and the float scalars, against the reference.

@@ -36,6 +36,7 @@ def test_show_mask(name, extra):
     assert "b=0, h=0" in r.stdout
 
 
+@pytest.mark.ci_extra  # (make test's budget; test_plot.py draws masks in make test)
 def test_show_mask_saves_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "mask.png"
