@@ -19,7 +19,6 @@ from ._block_mask_type import (  # noqa: F401 (_states_from_lists, block_states_
     FULL,
     PARTIAL,
     BlockMask,
-    _check_block_size,
     _check_dim,
     _list_width,
     _states_from_lists,
@@ -30,7 +29,7 @@ from ._block_mask_type import (  # noqa: F401 (_states_from_lists, block_states_
     lists_from_states,
     noop_mask,
 )
-from ._factory import eager_outside_abstract_mesh, named
+from ._factory import check_block_size, eager_outside_abstract_mesh, named
 from ._trace import StaticMod, mod_name, trace_mod
 from .backends._contract import TileLists
 
@@ -490,7 +489,7 @@ def _create(mask_mod, B, H, Q_LEN, KV_LEN, block_size, analyse, max_blocks_per_r
     H = _check_dim("H", H, allow_none=True)
     Q_LEN = _check_dim("Q_LEN", Q_LEN, allow_none=False)
     KV_LEN = _check_dim("KV_LEN", KV_LEN, allow_none=False)
-    bq, bkv = _check_block_size(block_size)
+    bq, bkv = check_block_size(block_size)
     if max_blocks_per_row is not None:
         max_blocks_per_row = _check_dim("max_blocks_per_row", max_blocks_per_row, allow_none=False)
     if mask_mod is None:

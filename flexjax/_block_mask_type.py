@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factory import eager_outside_abstract_mesh, entry, int_array
+from ._factory import check_block_size, eager_outside_abstract_mesh, entry, int_array, member_rows
 from ._trace import StaticMod, remapped, trace_mod
 from .backends._contract import TileLists
 
@@ -35,22 +35,6 @@ def _check_dim(name: str, value, allow_none: bool) -> int:
         hint = " or None to broadcast" if allow_none else ""
         raise ValueError(f"{name} must be a positive int{hint}, got {value!r}")
     return int(value)
-
-
-def _check_block_size(block_size) -> tuple[int, int]:
-    if isinstance(block_size, (int, np.integer)):
-        bs = (block_size, block_size)
-    elif isinstance(block_size, (tuple, list)):
-        bs = tuple(block_size)
-    else:
-        bs = ()
-    if len(bs) != 2 or any(
-        isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in bs
-    ):
-        raise ValueError(
-            f"block_size must be a positive int or a pair (block_q, block_kv) of positive ints, got {block_size!r}"
-        )
-    return int(bs[0]), int(bs[1])
 
 
 def _list_width(need: int, most: int, width, n_cols: int) -> int:
@@ -87,17 +71,11 @@ def lists_from_states(states: jax.Array, width: int | tuple[int, int] | None = N
     if not isinstance(states, jax.core.Tracer):
         return TileLists(*_np_lists(np.asarray(states), kv_w, q_w))
 
-    def rows(member, w):
-        n = member.shape[-1]
-        idx = jnp.arange(n, dtype=jnp.int32)
-        order = jnp.argsort(jnp.where(member, idx, n + idx), axis=-1).astype(jnp.int32)
-        return member.sum(-1, dtype=jnp.int32), order[..., :min(n, w or n)]
-
     partial, full = states == PARTIAL, states == FULL
-    kv_n, kv_i = rows(partial, kv_w)
-    fkv_n, fkv_i = rows(full, kv_w)
-    q_n, q_i = rows(jnp.swapaxes(partial, -1, -2), q_w)
-    fq_n, fq_i = rows(jnp.swapaxes(full, -1, -2), q_w)
+    kv_n, kv_i = member_rows(partial, kv_w)
+    fkv_n, fkv_i = member_rows(full, kv_w)
+    q_n, q_i = member_rows(jnp.swapaxes(partial, -1, -2), q_w)
+    fq_n, fq_i = member_rows(jnp.swapaxes(full, -1, -2), q_w)
     return TileLists(kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i)
 
 
@@ -634,7 +612,7 @@ def check_broadcast(mask: StaticMod | None, B, H, *, data_shape: tuple[int, int]
 @eager_outside_abstract_mesh
 def full_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, *, block_size=(128, 128)) -> BlockMask:
     """The BlockMask of full attention, without evaluating any mask_mod."""
-    bq, bkv = _check_block_size(block_size)
+    bq, bkv = check_block_size(block_size)
     nq, nkv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
     q_full = (jnp.arange(nq) + 1) * bq <= Q_LEN
     kv_full = (jnp.arange(nkv) + 1) * bkv <= KV_LEN

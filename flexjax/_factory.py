@@ -136,6 +136,40 @@ def entry(x, i):
     return x[jnp.clip(i, 0, x.shape[0] - 1)]
 
 
+def check_block_size(block_size, name: str = "block_size") -> tuple[int, int]:
+    """``(block_q, block_kv)`` from a positive int or a pair of them; a ValueError naming ``name`` else."""
+    if isinstance(block_size, (int, np.integer)):
+        bs = (block_size, block_size)
+    elif isinstance(block_size, (tuple, list)):
+        bs = tuple(block_size)
+    else:
+        bs = ()
+    if len(bs) != 2 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x <= 0
+                           for x in bs):
+        raise ValueError(f"{name} must be a positive int or a pair (block_q, block_kv) of positive ints, "
+                         f"got {block_size!r}")
+    return int(bs[0]), int(bs[1])
+
+
+def check_seq_lengths(seq_lengths, caller: str = "") -> tuple[int, int]:
+    """``(Q_LEN, KV_LEN)``, a pair of positive ints; a ValueError else."""
+    lengths = tuple(seq_lengths) if isinstance(seq_lengths, (tuple, list)) else ()
+    if len(lengths) != 2 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x <= 0
+                                for x in lengths):
+        raise ValueError(f"{caller}seq_lengths must be a pair (Q_LEN, KV_LEN) of positive ints, got {seq_lengths!r}")
+    return int(lengths[0]), int(lengths[1])
+
+
+def member_rows(member: jax.Array, width: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Counts (..., R) and ascending column indices (..., R, width) of each row's True entries of a bool
+    (..., R, C) array, in jnp (traceable; the widths depend on the shape only). Entries past a row's count
+    are valid column indices (of False entries), to be ignored."""
+    n = member.shape[-1]
+    i = jnp.arange(n, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(member, i, n + i), axis=-1).astype(jnp.int32)
+    return member.sum(-1, dtype=jnp.int32), order[..., :min(n, width or n)]
+
+
 def int_array(name: str, x, shapes: str) -> jax.Array:
     """``x`` as an int32 array; TypeError naming ``name`` and the ``shapes`` it may have otherwise."""
     arr = jnp.asarray(x)

@@ -20,7 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factory import eager_outside_abstract_mesh, fail_on_host, int_array, named
+from ._factory import (
+    check_block_size,
+    check_seq_lengths,
+    eager_outside_abstract_mesh,
+    fail_on_host,
+    int_array,
+    member_rows,
+    named,
+)
 from ._trace import mod_name, trace_mod
 
 _NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
@@ -31,15 +39,7 @@ def _block_size(block_size, BLOCK_SIZE) -> tuple[int, int]:
         raise ValueError(f"pass the block size once: block_size={block_size!r} or BLOCK_SIZE={BLOCK_SIZE!r} "
                          "(PyTorch's name), not both")
     name, value = ("BLOCK_SIZE", BLOCK_SIZE) if BLOCK_SIZE is not None else ("block_size", block_size)
-    if value is None:
-        value = 128
-    bs = (value, value) if isinstance(value, (int, np.integer)) else tuple(value) if isinstance(
-        value, (tuple, list)) else ()
-    if len(bs) != 2 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x <= 0
-                           for x in bs):
-        raise ValueError(f"{name} must be a positive int or a pair (block_q, block_kv) of positive ints, "
-                         f"got {value!r}")
-    return int(bs[0]), int(bs[1])
+    return check_block_size(128 if value is None else value, name)
 
 
 def _lists_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) -> list[jax.Array]:
@@ -79,11 +79,7 @@ def _seq_lengths(seq_lengths, nq: int, width: int, bq: int, bkv: int) -> tuple[i
             raise ValueError("kv_indices has width 0, so the default KV_LEN (its width times block_kv, as in "
                              "PyTorch) would be 0: pass seq_lengths=(Q_LEN, KV_LEN)")
         return nq * bq, width * bkv
-    lengths = tuple(seq_lengths) if isinstance(seq_lengths, (tuple, list)) else ()
-    if len(lengths) != 2 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x <= 0
-                                for x in lengths):
-        raise ValueError(f"seq_lengths must be a pair (Q_LEN, KV_LEN) of positive ints, got {seq_lengths!r}")
-    q_len, kv_len = int(lengths[0]), int(lengths[1])
+    q_len, kv_len = check_seq_lengths(seq_lengths)
     if nq != -(-q_len // bq):
         raise ValueError(
             f"kv_num_blocks and kv_indices have {nq} q-block rows but Q_LEN={q_len} in blocks of block_q={bq} "
@@ -150,15 +146,6 @@ def _member(num, idx, nq: int, nkv: int) -> jax.Array:
     return jnp.zeros((B, H, nq, nkv + 1), jnp.bool_).at[b, h, r, col].set(True)[..., :nkv]
 
 
-def _rows(member, width: int):
-    """Counts (..., R) and ascending indices (..., R, width) of each row's members (as ``lists_from_states``
-    under a trace: entries past the count are valid indices, of non-members)."""
-    n = member.shape[-1]
-    i = jnp.arange(n, dtype=jnp.int32)
-    order = jnp.argsort(jnp.where(member, i, n + i), axis=-1).astype(jnp.int32)
-    return member.sum(-1, dtype=jnp.int32), order[..., :width]
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _build(nq: int, nkv: int, width: int, q_pad: bool, kv_pad: bool, B_H: tuple[int, int], with_mod: bool,
            zero, *arrays):
@@ -179,8 +166,8 @@ def _build(nq: int, nkv: int, width: int, q_pad: bool, kv_pad: bool, B_H: tuple[
     pad[nq - 1, :] |= q_pad
     pad[:, nkv - 1] |= kv_pad
     partial, full = partial | (full & pad), full & ~pad
-    kv_lists = (*_rows(partial, width), *_rows(full, width))
-    q_lists = (*_rows(jnp.swapaxes(partial, -1, -2), nq), *_rows(jnp.swapaxes(full, -1, -2), nq))
+    kv_lists = (*member_rows(partial, width), *member_rows(full, width))
+    q_lists = (*member_rows(jnp.swapaxes(partial, -1, -2), nq), *member_rows(jnp.swapaxes(full, -1, -2), nq))
     return kv_lists + q_lists, whole, listed
 
 

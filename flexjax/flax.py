@@ -255,24 +255,8 @@ def _topk_blocks(scores, states, top_k: int, block_size: int, mask_mod, T: int) 
     (B, H, nQ, nKV) among those that ``states`` (``mask_mod``'s tiles: 0 empty, 1 partial, 2 full;
     broadcasting) leaves non-empty, under ``mask_mod``; the chosen tiles that ``mask_mod`` fills are
     listed full (the same mask, without evaluating it there)."""
-    scores = jnp.where(states == 0, -jnp.inf, scores)
-    k = min(top_k, scores.shape[-1])
-    chosen = sparse.topk_block_mask(scores, k, block_size=block_size, mask_mod=mask_mod, seq_lengths=(T, T))
-    count, idx = chosen.kv_num_blocks, chosen.kv_indices  # (B, H, nQ, k): every chosen block, partial
-    states = jnp.broadcast_to(states, scores.shape)
-    full = (jnp.arange(idx.shape[-1]) < count[..., None]) & (jnp.take_along_axis(states, idx, axis=-1) == 2)
-    pos = jnp.arange(idx.shape[-1], dtype=jnp.int32)
-    order = jnp.argsort(jnp.where(full, pos, pos + idx.shape[-1]), axis=-1)
-    # A block listed both partial and full is full (from_kv_blocks' rule).
-    return BlockMask.from_kv_blocks(count, idx, full.sum(-1, dtype=jnp.int32), jnp.take_along_axis(idx, order, -1),
-                                    block_size=block_size, mask_mod=mask_mod, seq_lengths=(T, T))
-
-
-def _compressed(x, l: int, d: int) -> jax.Array:
-    """(B, S, H, D) -> (B, n, H, D): the means of ``x[t d : t d + l]`` for ``t < n = (S - l) // d + 1``."""
-    n = (x.shape[1] - l) // d + 1
-    window = np.arange(n)[:, None] * d + np.arange(l)[None, :]
-    return x[:, window].mean(2, dtype=jnp.float32).astype(x.dtype)
+    return sparse._topk_block_mask(scores, min(top_k, scores.shape[-1]), block_size, mask_mod, (T, T),
+                                   tile_states=states)
 
 
 _NO_SPARSE_DECODE = (
@@ -506,7 +490,7 @@ class FlexMultiHeadAttention(nnx.Module):
         o_win = flex_attention(q, k, v, score_mod, block_mask_over_read_axes(window, B, H, T, T, block_size=bs),
                                **attend)
         if T >= l:
-            k_cmp, v_cmp = _compressed(k, l, d), _compressed(v, l, d)
+            k_cmp, v_cmp = (sparse._compressed(x, l, d).astype(x.dtype) for x in (k, v))
             allowed = None if mask_mod is None else _compressed_allowed(mask_mod, B, H, T, k_cmp.shape[1], l, d)
 
             def ended(b, h, q_idx, kv_idx):  # compressed block kv_idx has ended, and the mask_mod allows its keys

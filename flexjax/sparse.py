@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._block_mask_type import BlockMask, _check_block_size
-from ._factory import describe
+from ._block_mask_type import BlockMask
+from ._factory import check_block_size, check_seq_lengths, describe
 from .masks.causal import causal as _causal
 
 __all__ = ["moba_block_mask", "moba_scores", "nsa_scores", "topk_block_mask"]
@@ -80,11 +80,7 @@ def _check_k(k, nkv: int) -> int:
 def _check_seq_lengths(seq_lengths, nq: int, nkv: int, bq: int, bkv: int) -> tuple[int, int]:
     if seq_lengths is None:
         return nq * bq, nkv * bkv
-    if not isinstance(seq_lengths, (tuple, list)) or len(seq_lengths) != 2 or any(
-            isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x <= 0 for x in seq_lengths):
-        raise ValueError(f"topk_block_mask: seq_lengths must be a pair (Q_LEN, KV_LEN) of positive ints, "
-                         f"got {seq_lengths!r}")
-    q_len, kv_len = int(seq_lengths[0]), int(seq_lengths[1])
+    q_len, kv_len = check_seq_lengths(seq_lengths, "topk_block_mask: ")
     if -(-q_len // bq) != nq or -(-kv_len // bkv) != nkv:
         raise ValueError(
             f"topk_block_mask: seq_lengths={(q_len, kv_len)} with block_size={(bq, bkv)} has "
@@ -120,6 +116,13 @@ def _check_pos(caller: str, name: str, value) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{caller}: {name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def _gate_args(caller: str, query, key, block_size, causal, include_self):
+    """A gate's arguments checked: (query, key, (block_q, block_kv), causal, include_self)."""
+    query, key = _check_qk(caller, query, key)
+    return (query, key, check_block_size(block_size), _check_bool(caller, "causal", causal),
+            _check_bool(caller, "include_self", include_self))
 
 
 # -- top-k ------------------------------------------------------------------------------------
@@ -186,31 +189,32 @@ def topk_block_mask(scores, k: int, *, block_size: int | tuple[int, int],
     return _topk_block_mask(scores, k, block_size, mask_mod, seq_lengths)
 
 
-def _topk_block_mask(scores, k, block_size, mask_mod, seq_lengths, *, causal_full: bool = False) -> BlockMask:
-    """``topk_block_mask``; ``causal_full``: ``mask_mod`` is top-left causal, so the chosen blocks that lie
-    wholly on or below the diagonal (every pair attends) are listed full, the others partial (the same
-    mask, without evaluating the mask_mod where it is known to be True)."""
+def _topk_block_mask(scores, k, block_size, mask_mod, seq_lengths, *, tile_states=None) -> BlockMask:
+    """``topk_block_mask``; ``tile_states``: int (broadcasting to the scores) states of ``mask_mod``'s tiles
+    (0 empty, 1 partial, 2 full), known to the caller: an empty tile is never chosen, and a chosen full
+    tile is listed full (the same mask, without evaluating the mask_mod where it is known to be True)."""
     scores = _check_scores(scores)
     B, H, nq, nkv = scores.shape
     k = _check_k(k, nkv)
-    bq, bkv = _check_block_size(block_size)
+    bq, bkv = check_block_size(block_size)
     q_len, kv_len = _check_seq_lengths(seq_lengths, nq, nkv, bq, bkv)
     if mask_mod is not None and not callable(mask_mod):
         raise TypeError(f"topk_block_mask: mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) or None, "
                         f"got {describe(mask_mod)}")
+    if tile_states is not None:
+        scores = jnp.where(tile_states == 0, -jnp.inf, scores)
     count, idx = _topk_lists(scores, k)
     common = {"block_size": (bq, bkv), "seq_lengths": (q_len, kv_len)}
     if mask_mod is None:
         # Full blocks; from_kv_blocks makes those holding padding partial (the padding stays masked).
         return BlockMask.from_kv_blocks(jnp.zeros((B, H, nq), jnp.int32), jnp.zeros((B, H, nq, 1), jnp.int32),
                                         count, idx, **common)
-    if not causal_full:
+    if tile_states is None:
         return BlockMask.from_kv_blocks(count, idx, mask_mod=mask_mod, **common)
-    # Block (i, j) is wholly causal when its last key precedes its first query: min((j+1) bkv, KV_LEN) - 1 <= i bq.
-    below = jnp.minimum((idx + 1) * bkv, kv_len) - 1 <= (jnp.arange(nq) * bq)[:, None]
+    whole = jnp.take_along_axis(jnp.broadcast_to(tile_states, scores.shape), idx, axis=-1) == 2
     listed = jnp.arange(k) < count[..., None]
-    p_count, p_idx = _compact(idx, listed & ~below)
-    f_count, f_idx = _compact(idx, listed & below)
+    p_count, p_idx = _compact(idx, listed & ~whole)
+    f_count, f_idx = _compact(idx, listed & whole)
     return BlockMask.from_kv_blocks(p_count, p_idx, f_count, f_idx, mask_mod=mask_mod, **common)
 
 
@@ -232,6 +236,14 @@ def _block_mean(x: jax.Array, block: int) -> jax.Array:
     sums = x.reshape(B, n, block, H, D).sum(2)
     sizes = np.minimum(block, S - block * np.arange(n)).astype(np.float32)
     return sums / sizes[None, :, None, None]
+
+
+def _compressed(x: jax.Array, l: int, d: int) -> jax.Array:
+    """(B, S, H, D) -> float32 (B, n, H, D): NSA's compressed tokens by mean pooling, the means of
+    ``x[:, t d : t d + l]`` for ``t < n = (S - l) // d + 1`` (``S >= l``), from one gather."""
+    n = (x.shape[1] - l) // d + 1
+    window = np.arange(n)[:, None] * d + np.arange(l)[None, :]
+    return x.astype(jnp.float32)[:, window].mean(2)
 
 
 def _block_rules(s: jax.Array, Sq: int, Skv: int, bq: int, bkv: int, causal: bool, include_self: bool):
@@ -285,10 +297,8 @@ def moba_scores(query, key, *, block_size: int | tuple[int, int], causal: bool =
     Returns:
       float32 (B, Hq, ceil(Sq / block_q), ceil(Skv / block_kv)) scores for ``topk_block_mask``.
     """
-    query, key = _check_qk("moba_scores", query, key)
-    bq, bkv = _check_block_size(block_size)
-    causal = _check_bool("moba_scores", "causal", causal)
-    include_self = _check_bool("moba_scores", "include_self", include_self)
+    query, key, (bq, bkv), causal, include_self = _gate_args("moba_scores", query, key, block_size, causal,
+                                                            include_self)
     B, Sq, Hq, D = query.shape
     Skv, Hkv = key.shape[1:3]
     G = Hq // Hkv
@@ -345,10 +355,8 @@ def nsa_scores(query, key, *, block_size: int | tuple[int, int], compress_size: 
     Returns:
       float32 (B, Hq, ceil(Sq / block_q), ceil(Skv / block_kv)) scores for ``topk_block_mask``.
     """
-    query, key = _check_qk("nsa_scores", query, key)
-    bq, bkv = _check_block_size(block_size)
-    causal = _check_bool("nsa_scores", "causal", causal)
-    include_self = _check_bool("nsa_scores", "include_self", include_self)
+    query, key, (bq, bkv), causal, include_self = _gate_args("nsa_scores", query, key, block_size, causal,
+                                                            include_self)
     l = max(1, bkv // 2) if compress_size is None else _check_pos("nsa_scores", "compress_size", compress_size)
     d = max(1, l // 2) if stride is None else _check_pos("nsa_scores", "stride", stride)
     B, Sq, Hq, D = query.shape
@@ -359,9 +367,7 @@ def nsa_scores(query, key, *, block_size: int | tuple[int, int], compress_size: 
     if n == 0:
         s = jnp.zeros((B, Hq, nq, nkv), jnp.float32)
         return _block_rules(s, Sq, Skv, bq, bkv, causal, include_self)
-    # Compressed keys: the mean of each window, from the (B, n, l, Hkv, D) gather.
-    window = np.arange(n)[:, None] * d + np.arange(l)[None, :]
-    kcmp = key.astype(jnp.float32)[:, window].mean(2)  # (B, n, Hkv, D)
+    kcmp = _compressed(key, l, d)  # (B, n, Hkv, D)
     # Queries padded to whole q blocks (the padding rows get no compressed block, so p = 0 there).
     qg = jnp.pad(query.astype(jnp.float32), ((0, 0), (0, nq * bq - Sq), (0, 0), (0, 0)))
     logits = jnp.einsum("bshgd,bthd->bhgst", qg.reshape(B, nq * bq, Hkv, G, D), kcmp, precision=_HI)
@@ -413,5 +419,12 @@ def moba_block_mask(query, key, k: int, *, block_size: int | tuple[int, int] = 1
     """
     causal = _check_bool("moba_block_mask", "causal", causal)
     scores = moba_scores(query, key, block_size=block_size, causal=causal)
-    return _topk_block_mask(scores, k, block_size, _causal if causal else None, (query.shape[1], key.shape[1]),
-                            causal_full=causal)
+    lengths = (query.shape[1], key.shape[1])
+    if not causal:
+        return _topk_block_mask(scores, k, block_size, None, lengths)
+    bq, bkv = check_block_size(block_size)
+    nq, nkv = scores.shape[-2:]
+    # The causal mask's tiles: whole where the block's last key precedes its first query, min((j + 1) bkv,
+    # KV_LEN) - 1 <= i bq (the gate already rules out the tiles after the diagonal).
+    below = np.minimum((np.arange(nkv) + 1) * bkv, lengths[1])[None, :] - 1 <= (np.arange(nq) * bq)[:, None]
+    return _topk_block_mask(scores, k, block_size, _causal, lengths, tile_states=np.where(below, 2, 1))

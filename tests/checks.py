@@ -38,3 +38,27 @@ def assert_close(name, got, truth, same_dtype_ref, dtype):
         tol = FUDGE * _err(r, t) + RTOL[dtype] * max(_scale(t), 1.0)
         err = _err(g, t)
         assert err <= tol, f"{where}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+def dense_f64(q, k, v, do, allowed):
+    """Dense float64 attention (B, S, H, D layout, GQA) with a bool (B, Hq, Sq, Skv) mask, scale 1/sqrt(D):
+    out and the gradients (dq, dk, dv) of <out, do>; a row with no allowed key gives 0."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    kf, vf = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    scale = 1.0 / np.sqrt(D)
+    s = np.where(allowed, np.einsum("bqhd,bkhd->bhqk", q, kf) * scale, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    den = e.sum(-1, keepdims=True)
+    p = e / np.where(den > 0, den, 1.0)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vf)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vf)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dkf = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dvf = np.einsum("bhqk,bqhd->bkhd", p, do)
+    group = lambda x: x.reshape(B, -1, Hkv, G, x.shape[-1]).sum(3)  # noqa: E731
+    return out, (dq, group(dkf), group(dvf))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close
+from checks import assert_close, dense_f64
 
 import flexjax
 from flexjax import BlockMask, masks, paged
@@ -68,23 +68,6 @@ def _implied(lists, mask_mod, B, H, q_len, kv_len, bq, bkv):
     return expand(full) | (expand(part) & allowed)
 
 
-def _dense(q, k, v, do, allowed):
-    """float64 attention (B, S, H, D) with a bool (B, H, Sq, Skv) mask: out and the grads of <out, do>."""
-    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    s = np.where(allowed, np.einsum("bqhd,bkhd->bhqk", q, k) * scale, -np.inf)
-    m = s.max(-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
-    out = np.einsum("bhqk,bkhd->bqhd", p, v)
-    dp = np.einsum("bqhd,bkhd->bhqk", do, v)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
-    return out, (dq, dk, dv)
-
-
 def _qkv(B, Sq, Skv, H, D=16, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     return (jax.random.normal(ks[0], (B, Sq, H, D)), jax.random.normal(ks[1], (B, Skv, H, D)),
@@ -129,7 +112,7 @@ def _case(name, seed=0):
 @functools.cache
 def _truth(name):
     bm, allowed, (q, k, v, do) = _case(name)
-    return _dense(q, k, v, do, allowed), _out_and_grads(bm, q, k, v, do, "reference")
+    return dense_f64(q, k, v, do, allowed), _out_and_grads(bm, q, k, v, do, "reference")
 
 
 _TRITON = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
@@ -160,7 +143,7 @@ _COARSE = {"block_q": 64, "block_kv": 64, "bwd_block_q": 64, "bwd_block_kv": 64}
 @pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.ci_extra)])
 def test_tiles_coarser_than_the_blocks(backend):
     bm, allowed, (q, k, v, do) = _case("causal_full_padded", seed=1)
-    truth = _dense(q, k, v, do, allowed)
+    truth = dense_f64(q, k, v, do, allowed)
     got = _out_and_grads(bm, q, k, v, do, backend, _COARSE)
     assert_close(f"coarse/{backend}", got, truth, truth, jnp.float32)
 
@@ -227,7 +210,7 @@ def test_traced_lists_compile_once():
     for seed in range(3):
         lists = _lists(seed, 2, 2, nq, nkv, 4, 3, empty_row=seed)
         got = step(*lists, q, k, v)
-        want, _ = _dense(q, k, v, do, _implied(lists, masks.causal, 2, 2, Q, KV, bs, bs))
+        want, _ = dense_f64(q, k, v, do, _implied(lists, masks.causal, 2, 2, Q, KV, bs, bs))
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     assert len(traces) == 1 and step._cache_size() == 1
 
@@ -244,7 +227,7 @@ def test_traced_lists_gradients():
         return out, vjp(do)
 
     got = grads(*lists, q, k, v, do)
-    truth = _dense(q, k, v, do, _implied(lists, masks.causal, 1, 2, Q, KV, bs, bs))
+    truth = dense_f64(q, k, v, do, _implied(lists, masks.causal, 1, 2, Q, KV, bs, bs))
     assert_close("traced grads", got, truth, truth, jnp.float32)
 
 
@@ -275,7 +258,7 @@ def test_paged_decode_with_from_kv_blocks():
         return jnp.sum(out * do), out
 
     (_, out), (dq,) = jax.jit(jax.value_and_grad(loss, argnums=(0,), has_aux=True))(q, k_pages, v_pages)
-    want, (want_dq, _, _) = _dense(q, k, v, do, allowed)
+    want, (want_dq, _, _) = dense_f64(q, k, v, do, allowed)
     assert_close("paged", (out, dq), (want, want_dq), (want, want_dq), jnp.float32)
 
 
@@ -297,7 +280,7 @@ def test_decode_step_rows_of_a_from_kv_blocks_mask():
         q, k, v, do = _qkv(B, sq, L, H, seed=3)
         rows = pos[:, None] + np.arange(sq)  # (B, sq)
         allowed = implied[np.arange(B)[:, None, None], np.arange(H)[None, :, None], rows[:, None, :]]
-        want, _ = _dense(q, k, v, do, allowed)
+        want, _ = dense_f64(q, k, v, do, allowed)
         np.testing.assert_allclose(np.asarray(step(q, k, v, jnp.asarray(pos, jnp.int32), sq)), want, atol=2e-5)
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import dense_f64
 
 import flexjax
 from flexjax import masks, sparse
@@ -83,29 +84,6 @@ def np_nsa(q, k, bq, bkv, l, d, causal=True, include_self=True):
                             s[b, h, i // bq, j] += pt
     s = s.reshape(B, Hkv, G, nq, nkv).sum(2, keepdims=True).repeat(G, axis=2).reshape(B, Hq, nq, nkv)
     return np_block_rules(s, Sq, Skv, bq, bkv, causal, include_self)
-
-
-def np_attention(q, k, v, do, allowed):
-    """Dense float64 attention with a (B, Hq, Sq, Skv) bool mask: out and d(q, k, v) of <out, do>."""
-    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
-    B, Sq, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    kf, vf = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
-    scale = 1.0 / math.sqrt(D)
-    s = np.where(allowed, np.einsum("bqhd,bkhd->bhqk", q, kf) * scale, -np.inf)
-    m = s.max(-1, keepdims=True)
-    e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
-    den = e.sum(-1, keepdims=True)
-    p = e / np.where(den > 0, den, 1.0)
-    out = np.einsum("bhqk,bkhd->bqhd", p, vf)
-    dp = np.einsum("bqhd,bkhd->bhqk", do, vf)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
-    dkf = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    dvf = np.einsum("bhqk,bqhd->bkhd", p, do)
-    group = lambda x: x.reshape(B, -1, Hkv, G, x.shape[-1]).sum(3)  # noqa: E731
-    return out, (dq, group(dkf), group(dvf))
 
 
 def implied_mask(chosen, partial, mask_mod, Sq, Skv, bq, bkv):
@@ -345,7 +323,7 @@ def test_attention_over_chosen_blocks_matches_dense_float64(case, backend, optio
     allowed = implied_mask(chosen, causal, masks.causal, shape[1], shape[2], bq, bkv)
     everywhere = implied_mask(np.ones_like(chosen), causal, masks.causal, shape[1], shape[2], bq, bkv)
     assert (allowed != everywhere).any()  # the selection skips some blocks the mask_mod alone allows
-    want_out, want_grads = np_attention(q, k, v, do, allowed)
+    want_out, want_grads = dense_f64(q, k, v, do, allowed)
     for what, got, want in (("out", out, want_out), *zip(("dq", "dk", "dv"), grads, want_grads)):
         got = np.asarray(got, np.float64)
         tol = 2e-5 * max(1.0, np.abs(want).max())
