@@ -201,9 +201,12 @@ limit_for() {  # limit_for CAP: the seconds a step may take now, its cap within 
   local left=$((BUDGET - SUMMARY_S - SECONDS))
   echo $(($1 < left ? $1 : left))
 }
-too_late() {  # too_late CAP LIMIT: whether a step with this cap and limit must be skipped
-  local need=$((MIN_STEP_S < $1 ? MIN_STEP_S : $1))
-  (($2 < need))
+skip_if_late() {  # skip_if_late NAME CAP LIMIT: too little of the budget left for the step: say so, fail the run
+  local need=$((MIN_STEP_S < $2 ? MIN_STEP_S : $2))
+  (($3 < need)) || return 1
+  echo "gpu_check: $1 skipped, $3 s of the ${BUDGET} s budget left" | tee -a "$OUT/error.txt"
+  step "$1" skipped
+  status=1
 }
 run_limited() {  # run_limited SECONDS COMMAND...: SIGTERM KILL_S before SECONDS, SIGKILL at it
   local term=$(($1 > KILL_S + 1 ? $1 - KILL_S : 1))
@@ -343,10 +346,7 @@ run_tests() {  # run_tests STEP CAP BACKEND...: each backend in processes of its
     return
   fi
   limit=$(limit_for "$cap")
-  if too_late "$cap" "$limit"; then
-    echo "gpu_check: $name skipped, $limit s of the ${BUDGET} s budget left" | tee -a "$OUT/error.txt"
-    step "$name" skipped
-    status=1
+  if skip_if_late "$name" "$cap" "$limit"; then
     return
   fi
   k=$((SLOTS / $# > 1 ? SLOTS / $# : 1))
@@ -408,10 +408,7 @@ bench() {  # bench SECTION STEP CAP FILE [LATE_BACKEND]: one gpu_bench.py proces
     *) extra="${FLEXJAX_GPU_SWEEP_ARGS:-}" ;;
   esac
   limit=$(limit_for "$cap")
-  if too_late "$cap" "$limit"; then
-    echo "gpu_check: $name skipped, $limit s of the ${BUDGET} s budget left" | tee -a "$OUT/error.txt"
-    step "$name" skipped
-    status=1
+  if skip_if_late "$name" "$cap" "$limit"; then
     return
   fi
   step "$name" start "" ", \"timeout_s\": $limit"
