@@ -289,13 +289,13 @@ def test_backend_none_falls_past_mosaic_gpu_for_a_gather(monkeypatch):
 
 @pytest.mark.mosaic_gpu
 def test_sinks_and_auxiliary_outputs():
-    """Sinks and return_aux go through the library's shared epilogue: out, lse, max_scores and
-    the sinks' gradient as the reference gives them."""
+    """Sinks and return_aux go through the library's shared epilogue: out, lse, max_scores,
+    min_scores (its max_scores of the negated scores) and the sinks' gradient as the reference gives them."""
     q, k, v = _qkv()
     S = q.shape[1]
     sinks = jnp.asarray([0.5, -1.0])
     bm = flexjax.create_block_mask(masks.causal, None, None, S, S, block_size=64)
-    aux = flexjax.AuxRequest(lse=True, max_scores=True)
+    aux = flexjax.AuxRequest(lse=True, max_scores=True, min_scores=True)
 
     def run(backend, q, k, v, sinks):
         out, a = flexjax.flex_attention(q, k, v, score_mod=mods.soft_cap(5.0), block_mask=bm, sinks=sinks,
@@ -311,6 +311,7 @@ def test_sinks_and_auxiliary_outputs():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=3e-2)
     np.testing.assert_allclose(np.asarray(a.lse), np.asarray(ra.lse), atol=2e-2)
     np.testing.assert_allclose(np.asarray(a.max_scores), np.asarray(ra.max_scores), atol=5e-2)
+    np.testing.assert_allclose(np.asarray(a.min_scores), np.asarray(ra.min_scores), atol=5e-2)
     g = jax.grad(loss)(sinks, "mosaic_gpu", q, k, v)
     gr = jax.grad(loss)(sinks, "reference", *f32)
     np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=3e-2 * max(1.0, float(np.abs(gr).max())))
