@@ -13,14 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _quant
-from ._factory import (  # noqa: F401 (built_here, set_runtime_checks, _cross_lowering, _has_runtime: imported from here)
-    _cross_lowering,
-    _has_runtime,
-    built_here,
-    fail_on_host,
-    int_array,
-    set_runtime_checks,
-)
+from ._factory import fail_on_host, int_array
 from .backends import available_backends, get_backend, options_tuple
 
 

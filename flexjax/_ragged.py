@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._block_mask_type import EMPTY, FULL, PARTIAL, BlockMask, lists_from_states
-from ._factory import int_array
+from ._factory import fail_on_host, int_array
 from ._paged_core import (
     _logical_like,
     _page_table,
@@ -39,7 +39,6 @@ from ._paged_core import (
     check_backend,
     check_pages,
     choose_paged,
-    fail_on_host,
     forward_name,
     spec_reason,
 )

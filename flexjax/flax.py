@@ -48,7 +48,7 @@ from . import masks, paged, sparse
 from ._api import flex_attention
 from ._block_mask import BlockMask, and_masks, block_mask_over_read_axes
 from ._drop_in import as_flex, check_implementation
-from ._paged_core import built_here, fail_on_host
+from ._factory import built_here, fail_on_host
 from ._trace import trace_mod
 
 

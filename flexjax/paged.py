@@ -39,7 +39,10 @@ from ._block_mask_type import (  # noqa: F401 (decode_block_mask and select_rows
     lists_from_states,
     select_rows,
 )
-from ._factory import int_array
+from ._factory import (
+    int_array,
+    set_runtime_checks,  # noqa: F401 (public here)
+)
 from ._paged_core import (  # noqa: F401
     _logical_like,
     _page_table,
@@ -52,7 +55,6 @@ from ._paged_core import (  # noqa: F401
     forward_name,
     gather,
     paged_reason,
-    set_runtime_checks,
     spec_reason,
 )
 from ._quant import FloatTail, dequantize, quantize  # noqa: F401 (public here)
