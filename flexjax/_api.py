@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from . import _dropout
 from ._autodiff import attention_jvp
@@ -32,10 +31,9 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
 from .backends import (
     for_platform,
     get_backend,
-    implementations,
     platform_backends,
 )
-from .backends._contract import Implementation, answer, first_serving, validate
+from .backends._contract import Implementation, Plan, choose
 
 # flexjax.sharding, a layer above this module, installs its dispatch here when it is
 # imported (flexjax/__init__.py imports it): under `attention_specs(...)`, or for q/k/v
@@ -117,8 +115,8 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
             out, lse = sharded if want_lse else (sharded, None)
             return results(out, lse, None, sinks, return_lse, return_aux)
     call = _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate)
-    impl, _ = _choose_backend(backend, call.spec, query, key, value)
-    out, lse, max_scores = _attention_jit(impl.NAME, call.spec, query, key, value, call.score_consts,
+    plan, _ = _choose_backend(backend, call, query, key, value, seed)
+    out, lse, max_scores = _attention_jit(plan, call.spec, query, key, value, call.score_consts,
                                           call.mask_consts, call.lists, seed)
     min_scores = min_scores_pass(
         lambda mod, aux, qkv: flex_attention(*qkv, mod, block_mask, scale=scale, return_aux=aux, backend=backend,
@@ -134,26 +132,20 @@ def _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, 
                    backend=backend, dropout_rate=rate)
 
 
-def _supports(candidate, name, spec, query, key, value):
-    """The backend's answer to "can you serve this": None or a reason (``_contract.answer``'s rule: an
-    invalid kernel_options value raises, the caller's to fix; a failure is a flexjax bug, reported as the
-    reason, so that ``backend=None`` moves on to the next backend with its warning)."""
-    validate(candidate, spec)
-    return answer(candidate.supports, f"the {name} backend", spec, query, key, value)
+def _choose_backend(backend, call, query, key, value, seed, *, warn: bool = True) -> tuple[Plan, list]:
+    """The named backend's plan, or the first plan of the platform's list (``backends.platform_backends``),
+    and (name, reason) for each backend passed over.
 
-
-def _choose_backend(backend, spec, query, key, value, *, warn: bool = True):
-    """The named backend, or the first of the platform's list that can serve ``spec``, and
-    (name, reason) for each backend passed over.
-
-    A named backend that cannot serve raises; with ``backend=None`` each skipped backend
-    is reported by a warning (``warn``), so no fallback is silent.
+    Each candidate answers with its ``plan`` (``_contract.make_plan``: an invalid kernel_options value
+    raises, the caller's to fix; a failure inside a backend is a flexjax bug, reported as the reason).
+    A named backend that cannot serve raises; with ``backend=None`` each skipped backend is reported by
+    a warning (``warn``), so no fallback is silent.
     """
     names = platform_backends() if backend is None else (backend,)
-    # The same walker as each backend's implementation lists (``_contract.first_serving``).
-    candidates = [Implementation(n, functools.partial(_supports, get_backend(n), n)) for n in names]
-    name, skipped = first_serving(candidates, "backend choice", or_none=True, spec=spec, query=query, key=key,
-                                  value=value)
+    # The same walker as each backend's implementation lists (``_contract.choose``).
+    candidates = [Implementation(n, functools.partial(get_backend(n).plan, call, query, key, value, seed))
+                  for n in names]
+    name, plan, skipped = choose(candidates, "backend choice", or_none=True)
     if name is None and backend is not None:
         raise NotImplementedError(f"backend {backend!r} cannot serve this call: {skipped[0][1]}")
     if name is None:
@@ -161,7 +153,7 @@ def _choose_backend(backend, spec, query, key, value, *, warn: bool = True):
     for skipped_name, skipped_reason in skipped if warn else ():
         warnings.warn(f"flexjax: backend {skipped_name!r} cannot serve this call ({skipped_reason}); "
                       f"using {name!r}. Pass backend={name!r} to choose it explicitly.", stacklevel=4)
-    return get_backend(name), skipped
+    return plan, skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +168,8 @@ class Explanation:
         float array the score_mod closes over.
       skipped_backends, skipped_forward, skipped_backward: (name, reason) for each one
         passed over, in the order tried.
+      plan: the chosen backend's ``Plan``, the one the call runs (its resolved ``options``, the
+        backward for gradients of q, k and v alone, the fallbacks of a kernel primitive).
     """
 
     backend: str
@@ -184,9 +178,19 @@ class Explanation:
     skipped_backends: tuple[tuple[str, str], ...] = ()
     skipped_forward: tuple[tuple[str, str], ...] = ()
     skipped_backward: tuple[tuple[str, str], ...] = ()
+    plan: Plan | None = None
 
     def __str__(self) -> str:
         lines = [f"backend {self.backend!r}: forward {self.forward!r}, backward {self.backward!r}"]
+        plan = self.plan
+        if plan is not None and plan.backward_qkv != plan.backward:
+            lines.append(f"  backward for gradients of q, k and v alone: {plan.backward_qkv!r}")
+        for kind, fallback in (("forward", getattr(plan, "forward_fallback", None)),
+                               ("backward", getattr(plan, "backward_fallback", None))):
+            if fallback is not None:
+                lines.append(f"  {kind} lowered as {fallback!r} where the kernel cannot be called (jax.export)")
+        if plan is not None and plan.options is not None:
+            lines.append(f"  options: {plan.options}")
         for kind, skipped in (("backend", self.skipped_backends), ("forward", self.skipped_forward),
                               ("backward", self.skipped_backward)):
             lines += [f"  skipped {kind} {name!r}: {reason}" for name, reason in skipped]
@@ -221,14 +225,9 @@ def _explain(query, key, value, score_mod, block_mask, scale, dropout_rate, drop
     rate = _dropout.check_rate(dropout_rate)
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
     call = _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate)
-    impl, skipped = _choose_backend(backend, call.spec, query, key, value, warn=False)
-    context = dict(spec=call.spec, q=query, k=key, v=value, score_consts=call.score_consts,
-                   mask_consts=call.mask_consts, lists=call.lists, dropout_seed=seed)
-    grads = tuple(bool(jnp.issubdtype(c.dtype, jnp.inexact)) for c in call.score_consts)
-    fwd, fwd_skipped = first_serving(implementations(impl, "FORWARD"), f"{impl.NAME} forward", **context)
-    bwd, bwd_skipped = first_serving(implementations(impl, "BACKWARD"), f"{impl.NAME} backward", **context,
-                                     grad_consts=grads)
-    return Explanation(impl.NAME, fwd, bwd, tuple(skipped), tuple(fwd_skipped), tuple(bwd_skipped))
+    plan, skipped = _choose_backend(backend, call, query, key, value, seed, warn=False)
+    return Explanation(plan.backend, plan.forward, plan.backward, tuple(skipped), plan.skipped_forward,
+                       plan.skipped_backward, plan)
 
 
 # -- autodiff ------------------------------------------------------------------------------
@@ -236,25 +235,25 @@ def _explain(query, key, value, score_mod, block_mask, scale, dropout_rate, drop
 # hand-written backward on the residuals the forward saved, jax.jvp the xla backend's tangent pass.
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _attention(backend_name, spec, q, k, v, score_consts, mask_consts, lists, seed):
-    impl = get_backend(backend_name)
-    out, lse, residuals = impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists,
-                                                      dropout_seed=seed)
+def _attention(plan, spec, q, k, v, score_consts, mask_consts, lists, seed):
+    out, lse, residuals = get_backend(plan.backend).forward_with_residuals(spec, q, k, v, score_consts, mask_consts,
+                                                                           lists, dropout_seed=seed, plan=plan)
     return out, lse, residuals.row_max
 
 
-def _attention_jvp(backend_name, spec, primals, tangents):
-    impl = get_backend(backend_name)
+def _attention_jvp(plan, spec, primals, tangents):
+    impl = get_backend(plan.backend)
 
     def forward(q, k, v, score_consts, mask_consts, lists, seed):
-        return impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=seed)
+        return impl.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=seed,
+                                           plan=plan)
 
-    return attention_jvp(impl, spec, primals, tangents, forward, seed_of=lambda seed: seed)
+    return attention_jvp(plan, spec, primals, tangents, forward, seed_of=lambda seed: seed)
 
 
 _attention.defjvp(_attention_jvp, symbolic_zeros=True)
 
-# Every call goes through jit, keyed by the backend and the (hashable) spec: an eager call
+# Every call goes through jit, keyed by the (hashable) plan and spec: an eager call
 # (or an eager jax.grad of one) then compiles the blockwise loops once as one program
 # instead of dispatching them op by op, ~5-7x faster on a first call; inside an outer jit
 # it is one nested call.

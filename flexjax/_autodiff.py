@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._linear import linear_apply
+from .backends import get_backend
 from .backends import xla as xla_backend
 
 
@@ -44,13 +45,13 @@ def _same_grad(d, like, extra):
     return d
 
 
-def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: Callable = lambda extra: None,
+def attention_jvp(plan, spec, primals, tangents, forward: Callable, *, seed_of: Callable = lambda extra: None,
                   logical: Callable = _same, from_logical: Callable = _same_grad, logical_v: Callable | None = None,
                   backward: Callable | None = None):
     """The JVP of ``(out, lse, row_max) = attention(q, k, v, score_consts, mask_consts, lists, extra)``.
 
     Args:
-      impl: the backend module (its ``backward``).
+      plan: the call's ``_contract.Plan`` (its backend's ``backward`` runs it).
       spec: the call's ``AttentionSpec``.
       primals: ``(q, k, v, score_consts, mask_consts, lists, extra)``; ``extra`` is what the
         entry point adds (the dropout seed, a page table).
@@ -66,7 +67,7 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
       logical_v: ``logical`` for v where it differs from k's (a quantized pool's own scales).
       backward: ``backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts,
         lists, grad_consts, extra) -> (dq, dk, dv, dscore)`` in k / v's own layout (a paged
-        cache's pools: no logical cache is formed); None: ``impl.backward`` on ``logical``.
+        cache's pools: no logical cache is formed); None: the plan's backend's ``backward`` on ``logical``.
     """
     logical_k, logical_v = logical, logical_v or logical
     q, k, v, score_consts, mask_consts, lists, extra = primals
@@ -99,8 +100,9 @@ def attention_jvp(impl, spec, primals, tangents, forward: Callable, *, seed_of: 
             dq, dk, dv, dscore = backward(spec, q_, k_, v_, out_, lse_, dout, dlse, sc, mc, ls, has_c, ex)
             cts = tuple(g.astype(x.dtype) for g, x, h in zip((dq, dk, dv), (q_, k_, v_), has_qkv) if h)
             return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)
-        dq, dk, dv, dscore = impl.backward(spec, q_, logical_k(k_, ex), logical_v(v_, ex), out_, lse_, dout, dlse, sc,
-                                           mc, ls, has_c, resid, dropout_seed=seed_of(ex))
+        dq, dk, dv, dscore = get_backend(plan.backend).backward(
+            spec, q_, logical_k(k_, ex), logical_v(v_, ex), out_, lse_, dout, dlse, sc, mc, ls, has_c, resid,
+            dropout_seed=seed_of(ex), plan=plan)
         grads = (dq, from_logical(dk, k_, ex), from_logical(dv, v_, ex))
         cts = tuple(g.astype(x.dtype) for g, x, h in zip(grads, (q_, k_, v_), has_qkv) if h)
         return cts + tuple(d.astype(c.dtype) for d, c, h in zip(dscore, sc, has_c) if h)

@@ -35,11 +35,11 @@ def check_backend(caller: str, backend, kernel_options) -> None:
 
 
 class _Chosen(Exception):
-    """Raised by ``choose_paged`` under ``explaining()``: the backend a paged call would run, before it runs."""
+    """Raised by ``choose_paged`` under ``explaining()``: the plan a paged call would run, before it runs."""
 
-    def __init__(self, name: str, skipped: list, forward: str):
-        super().__init__(name)
-        self.name, self.skipped, self.forward = name, skipped, forward
+    def __init__(self, plan, skipped: list):
+        super().__init__(plan.backend)
+        self.plan, self.skipped = plan, skipped
 
 
 _EXPLAINING = contextvars.ContextVar("flexjax_paged_explaining", default=False)
@@ -55,68 +55,66 @@ def explaining():
         _EXPLAINING.reset(token)
 
 
-def forward_name(name: str, spec, q, k_pages, v_pages, score_consts, mask_consts) -> str:
-    """The implementation backend ``name``'s paged forward runs for this call (its ``PAGED_FORWARD``)."""
-    from .backends._contract import first_serving
-
-    k_like, v_like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages)
-    impl, _ = first_serving(get_backend(name).PAGED_FORWARD, f"{name} paged forward", spec=spec, q=q, k=k_like,
-                            v=v_like, score_consts=score_consts, mask_consts=mask_consts, dropout_seed=None)
-    return impl
-
-
 NO_PAGED_PATH = "no paged path"
 
 
-def choose_paged(caller: str, backend, reason_of, *, warn: bool = True, forward_of=None) -> tuple[str, list]:
-    """The named backend, or the first of the platform's (``backends.platform_backends``) with a paged path that
-    serves the call, and (name, reason) for each passed over: the dense chooser's walker and rule
-    (``_contract.first_serving``: an invalid option value raises; a skipped backend warns; a named one that
-    cannot serve raises). ``reason_of(name)``: why backend ``name`` cannot serve, or None."""
+def choose_paged(caller: str, backend, plan_of, *, warn: bool = True) -> tuple:
+    """The named backend's plan, or the first plan of the platform's backends (``backends.platform_backends``)
+    with a paged path, and (name, reason) for each passed over: the dense chooser's walker and rule
+    (``_contract.choose``: an invalid option value raises; a skipped backend warns; a named one that
+    cannot serve raises). ``plan_of(name)``: backend ``name``'s ``Plan`` for the call, or why it cannot
+    serve it."""
     from .backends import current_platform, platform_backends
-    from .backends._contract import Implementation, first_serving
+    from .backends._contract import Implementation, choose
 
     names = (backend,) if backend is not None else platform_backends()
-    candidates = [Implementation(n, (lambda n=n, **_: reason_of(n)) if serves_paged(get_backend(n))
+    candidates = [Implementation(n, (lambda n=n, **_: plan_of(n)) if serves_paged(get_backend(n))
                                  else (lambda **_: NO_PAGED_PATH)) for n in names]
-    name, skipped = first_serving(candidates, f"{caller} backend choice", or_none=True)
+    name, plan, skipped = choose(candidates, f"{caller} backend choice", or_none=True)
     if name is None and backend is not None:
         raise NotImplementedError(f"backend {backend!r} cannot serve this {caller} call: {skipped[0][1]}")
     if name is None:
         raise NotImplementedError(f"no backend can serve this {caller} call on {current_platform()}: "
                                   + "; ".join(f"{n}: {r}" for n, r in skipped))
     if _EXPLAINING.get():
-        raise _Chosen(name, skipped, forward_of(name) if forward_of is not None else "paged")
+        raise _Chosen(plan, skipped)
     # (A backend with no paged path is not a candidate: it is listed for explain, not warned about.)
     for other, why in [(n, r) for n, r in skipped if r != NO_PAGED_PATH] if warn else ():
         warnings.warn(f"flexjax: backend {other!r} cannot serve this {caller} call ({why}); using {name!r}. "
                       f"Pass backend={name!r} to choose it explicitly.", stacklevel=4)
-    return name, skipped
+    return plan, skipped
 
 
-def spec_reason(name: str, spec, q, k_pages, v_pages, lists, scales) -> str | None:
-    """Why backend ``name`` cannot serve this paged spec: kernel_options it does not take, its options'
-    checks (a ValueError), then ``paged_reason``."""
+def paged_plan(name: str, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, scales):
+    """Backend ``name``'s ``Plan`` for a paged call, or why it cannot serve it: kernel_options it does not
+    take, its options' checks (a ValueError raises), its ``resolve`` (the options, once, for a logical
+    cache of the pools' shape and, for quantized pools, the query's dtype), its ``supports_paged`` and
+    ``supports_quantized``, then its ``PAGED_FORWARD`` implementation. The backward of every paged call is
+    ``backends/_paged_backward.py``'s."""
     from .backends import kernel_option_names
+    from .backends._contract import Plan, answer, validate, walk
 
     impl = get_backend(name)
     unknown = sorted(set(spec.options) - set(kernel_option_names(name)))
     if unknown:
         return f"it takes no kernel_options {unknown}"
-    from .backends._contract import validate
-
     validate(impl, spec)
-    return paged_reason(impl, spec, q, k_pages, v_pages, lists, scales)
-
-
-def paged_reason(impl, spec, q, k_pages, v_pages, lists, scales) -> str | None:
-    """Why backend ``impl`` cannot serve this paged call (its paged path, then its quantized
-    pools where ``scales`` are given), or None."""
+    who = f"the {name} backend"
     like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages, q.dtype if scales is not None else None)
-    reason = impl.supports_paged(spec, q, *like, lists)
+    options = answer(impl.resolve, who, spec, q, *like)
+    if isinstance(options, str):
+        return options
+    reason = answer(impl.supports_paged, who, spec, q, *like, lists, options)
     if reason is None and scales is not None:
-        reason = impl.supports_quantized(spec, q, k_pages)
-    return reason
+        reason = answer(impl.supports_quantized, who, spec, q, k_pages, options)
+    if reason is not None:
+        return reason
+    k_like, v_like = _logical_like(q.shape[0], spec.kv_len, k_pages, v_pages)
+    forward, fallback, skipped = walk(impl, "PAGED_FORWARD", dict(
+        spec=spec, q=q, k=k_like, v=v_like, score_consts=score_consts, mask_consts=mask_consts, lists=lists,
+        dropout_seed=None, options=options))
+    return Plan(name, forward, "paged_backward", "paged_backward", options, fallback,
+                skipped_forward=tuple(skipped))
 
 
 def check_pages(caller: str, page_table, kv_lengths, num_pages: int, page_size: int,
@@ -233,11 +231,10 @@ def _logical_like(B: int, kv_len: int, k_pages, v_pages, dtype=None):
     return tuple(jax.ShapeDtypeStruct((B, kv_len) + x.shape[2:], dtype or x.dtype) for x in (k_pages, v_pages))
 
 
-def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
+def _paged_forward(plan, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
     page_table, scales = extra
-    kw = {} if scales is None else {"scales": scales}
-    return get_backend(name).paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
-                                           **kw)
+    return get_backend(plan.backend).paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts,
+                                                   lists, scales, plan=plan)
 
 
 # Autodiff as flex_attention's: a custom_jvp whose tangent goes through ``linear_apply``, a
@@ -247,18 +244,19 @@ def _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, l
 # gathered through the table. ``jax.grad`` runs only the backward.
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _paged(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
-    """``extra``: (page_table, scales), scales None or a quantized pool's (k_scale, v_scale)."""
-    out, lse, residuals = _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
+def _paged(plan, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
+    """``plan``: ``paged_plan``'s; ``extra``: (page_table, scales), scales None or a quantized pool's
+    (k_scale, v_scale)."""
+    out, lse, residuals = _paged_forward(plan, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
     row_max = residuals.row_max  # max_scores, as flex_attention's
     return out, lse, row_max
 
 
-def _paged_jvp(name, spec, primals, tangents):
+def _paged_jvp(plan, spec, primals, tangents):
     from ._autodiff import attention_jvp
 
     def forward(q, k_pages, v_pages, score_consts, mask_consts, lists, extra):
-        return _paged_forward(name, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
+        return _paged_forward(plan, spec, q, k_pages, v_pages, score_consts, mask_consts, lists, extra)
 
     def scatter(d, pages, extra):
         d = d.reshape(d.shape[0], -1, pages.shape[1], *d.shape[2:])
@@ -281,7 +279,7 @@ def _paged_jvp(name, spec, primals, tangents):
         return paged_backward(spec, q, k_pages, v_pages, page_table, out, lse, dout, dlse, sc, mc, lists, grad_consts,
                               scales)
 
-    return attention_jvp(get_backend(name), spec, primals, tangents, forward, logical=logical(0),
+    return attention_jvp(plan, spec, primals, tangents, forward, logical=logical(0),
                          logical_v=logical(1), from_logical=scatter, backward=backward)
 
 

@@ -39,8 +39,7 @@ from ._paged_core import (
     check_backend,
     check_pages,
     choose_paged,
-    forward_name,
-    spec_reason,
+    paged_plan,
 )
 from ._spec import check_scale, check_sinks, min_scores_pass, prepare, results
 from ._trace import mod_name, remapped, trace_mod
@@ -161,8 +160,8 @@ def _wrap_mods(score_mod, mask_mod, tiles: _Tiles, lengths):
 
 def _class_call(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask, scale,
                 bkv, kernel_options, backend, scales):
-    """One tile class's call on backend ``name``: (its ``_paged`` arguments, why ``name`` cannot serve it or
-    None)."""
+    """One tile class's call on backend ``name``: its ``_paged`` arguments, the first its ``Plan`` or the
+    reason ``name`` cannot serve it."""
     T, Hq, D = query.shape
     bq = tiles.bq
     kv_len = pt.shape[1] * k_pages.shape[1]
@@ -176,8 +175,8 @@ def _class_call(name, tiles: _Tiles, query, k_pages, v_pages, pt, lengths, score
     q_tiles = query[rows]  # (N, bq, Hq, D)
     spec, score_consts, mask_consts, lists = prepare(q_tiles, kv_len, score_fn, bm, scale=scale,
                                                      kernel_options=kernel_options, backend=backend)
-    reason = spec_reason(name, spec, q_tiles, k_pages, v_pages, lists, scales)
-    return (name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, (pt[tiles.seq], scales)), reason
+    plan = paged_plan(name, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, scales)
+    return plan, spec, q_tiles, k_pages, v_pages, score_consts, mask_consts, lists, (pt[tiles.seq], scales)
 
 
 def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_lens, *, score_mod=None,
@@ -280,7 +279,7 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
     user_mask = trace_mod(mask_mod if mask_mod is not None else _causal, "mask", arg_name="mask_mod")
     plans = {}
 
-    def reason_of(name):
+    def plan_of(name):
         # A backend may want fewer packed rows (pallas on cuda in float32: its shared memory).
         rows = get_backend(name).ragged_rows(query.dtype, kernel_options or {})
         wide = min(max(16, rows // G), 64, 1 << max(0, (T - 1).bit_length()))
@@ -288,12 +287,12 @@ def flex_attention_ragged(query, k_pages, v_pages, page_table, kv_lengths, cu_q_
         wide_tiles, narrow_tiles, is_narrow, starts = _plan(cu, lengths, T, S, wide, narrow)
         calls = [_class_call(name, tiles, query, k_pages, v_pages, pt, lengths, score_mod, mask_mod, user_mask,
                              scale, bkv, kernel_options, backend, scales) for tiles in (wide_tiles, narrow_tiles)]
-        plans[name] = (wide, narrow, is_narrow, starts, [c for c, _ in calls])
-        return next((r for _, r in calls if r is not None), None)
+        plans[name] = (wide, narrow, is_narrow, starts, calls)
+        # The wide class's plan stands for the call (explain names its forward); a refusal of either, for both.
+        return next((c[0] for c in calls if isinstance(c[0], str)), calls[0][0])
 
-    name, _ = choose_paged("ragged", backend, reason_of,
-                           forward_of=lambda n: forward_name(*plans[n][4][0][:7]))  # (the wide class's call)
-    wide, narrow, is_narrow, starts, calls = plans[name]
+    plan, _ = choose_paged("ragged", backend, plan_of)
+    wide, narrow, is_narrow, starts, calls = plans[plan.backend]
     out_w, lse_w, ms_w = _paged(*calls[0])
     out_n, lse_n, ms_n = _paged(*calls[1])
     # Each packed token's row: its sequence's decode tile, or wide tile starts[s] + o // wide.

@@ -7,7 +7,7 @@ imports only the BlockMask type.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ import numpy as np
 from ._block_mask_type import BlockMask, check_broadcast
 from ._trace import StaticMod
 from .backends import _softmax
+from .backends._contract import Call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,15 +136,6 @@ def check_block_mask(block_mask, query_shape, Skv):
             f"block_mask was built for H={Hm} but query has {Hq} heads; rebuild it with H={Hq} or H=None"
         )
     check_broadcast(block_mask.mask, Bm, Hm, data_shape=(B, Hq))
-
-
-class Call(NamedTuple):
-    """A call prepared for the backends: its spec, the arrays the mods capture, and the tile lists."""
-
-    spec: AttentionSpec
-    score_consts: tuple
-    mask_consts: tuple
-    lists: Any
 
 
 def prepare(query, kv_len: int, score_mod, block_mask, *, scale, kernel_options, backend,

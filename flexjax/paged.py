@@ -52,10 +52,8 @@ from ._paged_core import (  # noqa: F401
     check_pages,
     choose_paged,
     explaining,
-    forward_name,
     gather,
-    paged_reason,
-    spec_reason,
+    paged_plan,
 )
 from ._quant import FloatTail, dequantize, quantize  # noqa: F401 (public here)
 from ._spec import (
@@ -429,10 +427,9 @@ def flex_attention(query, k_pages, v_pages, page_table, kv_lengths, score_mod=No
                          f"it with block_size=(block_q, d) for a d dividing {ps}")
     spec, score_consts, mask_consts, lists = prepare(query, kv_len, score_mod, _with_lengths(block_mask, lengths, B),
                                                      scale=scale, kernel_options=kernel_options, backend=backend)
-    name, _ = choose_paged("paged", backend, lambda n: spec_reason(n, spec, query, k_pages, v_pages, lists, scales),
-                           forward_of=lambda n: forward_name(n, spec, query, k_pages, v_pages, score_consts,
-                                                             mask_consts))
-    out, lse, max_scores = _paged(name, spec, query, k_pages, v_pages, score_consts, mask_consts, lists,
+    plan, _ = choose_paged("paged", backend, lambda n: paged_plan(n, spec, query, k_pages, v_pages, score_consts,
+                                                                  mask_consts, lists, scales))
+    out, lse, max_scores = _paged(plan, spec, query, k_pages, v_pages, score_consts, mask_consts, lists,
                                   (pt, scales))
     min_scores = min_scores_pass(
         lambda mod, aux, arrays: flex_attention(*arrays, page_table, kv_lengths, mod, block_mask, scale=scale,
@@ -478,7 +475,9 @@ def explain(query, k_pages, v_pages, page_table, kv_lengths, score_mod=None, blo
         with for_platform(platform), explaining():
             jax.eval_shape(lambda *a: call(*a), *args)
     except _Chosen as chosen:
-        return Explanation(chosen.name, chosen.forward, "paged_backward", tuple(chosen.skipped))
+        plan = chosen.plan
+        return Explanation(plan.backend, plan.forward, plan.backward, tuple(chosen.skipped), plan.skipped_forward,
+                           (), plan)
     raise AssertionError("paged.explain: the call made no backend choice")  # (every paged call chooses)
 
 

@@ -36,26 +36,26 @@ def test_backend_implements_the_protocol(name):
 
 
 @pytest.mark.parametrize("target", _params())
-def test_supports_answers_without_raising(target):
-    """supports answers None or a sentence for any call, a crashing mod included; invalid option
-    values are validate_options' ValueError."""
-    from flexjax._api import AttentionSpec
-    from flexjax._trace import trace_mod
+def test_plan_answers_without_raising(target):
+    """plan answers a Plan or a sentence for any call, a crashing mod included; invalid option
+    values are validate_options' ValueError, which plan raises."""
+    from flexjax._spec import prepare
+    from flexjax.backends._contract import Plan
 
     def crashing(score, b, h, q_idx, kv_idx):
         return score + jnp.linalg.inv(jnp.eye(2) * q_idx)[0, 0]  # not a primitive any generator takes
 
     backend = get_backend(target.backend)
     q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
-    score = trace_mod(crashing, "score", arg_name="score_mod").static()
-    spec = AttentionSpec(score=score, mask=None, scale=0.25, q_len=32, kv_len=32, block_size=(16, 16),
-                         kernel_options=tuple(sorted((target.options or {}).items())))
-    reason = backend.supports(spec, q, q, q)
-    assert reason is None or isinstance(reason, str)
+    call = prepare(q, 32, crashing, None, scale=0.25, kernel_options=target.options, backend=target.backend)
+    got = backend.plan(call, q, q, q)
+    assert isinstance(got, (str, Plan))
     if target.options_checked:
-        bad = dataclasses.replace(spec, kernel_options=(("block_q", -3),))
+        bad = call._replace(spec=dataclasses.replace(call.spec, kernel_options=(("block_q", -3),)))
         with pytest.raises(ValueError, match="block_q"):
-            backend.validate_options(bad)
+            backend.validate_options(bad.spec)
+        with pytest.raises(ValueError, match="block_q"):
+            backend.plan(bad, q, q, q)
 
 
 @pytest.mark.parametrize("target", _params())

@@ -114,11 +114,92 @@ def test_paged_on_cuda_names_triton_where_it_imports():
 
 def test_paged_chooser_warns_for_refusals_not_for_backends_without_a_paged_path():
     from flexjax._paged_core import choose_paged
+    from flexjax.backends._contract import Plan
 
     with backends.for_platform("cuda"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        name, skipped = choose_paged("paged", None, lambda n: "a test refusal" if n == "triton" else None)
-    assert name == "pallas"
+        plan, skipped = choose_paged("paged", None, lambda n: "a test refusal" if n == "triton" else
+                                     Plan(n, "decode", "paged_backward", "paged_backward"))
+    assert plan.backend == "pallas"
     assert [n for n, _ in skipped] == ["mosaic_gpu", "triton"]
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "'triton'" in messages[0] and "a test refusal" in messages[0], messages
+
+
+# -- one plan per call ---------------------------------------------------------------------------
+
+def _record_plans(monkeypatch, module, names=("forward_with_residuals", "backward")):
+    """The plan each of ``module``'s passes receives, as it runs."""
+    seen = []
+    for name in names:
+        original = getattr(module, name)
+
+        def wrapped(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, kwargs.get("plan")))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapped)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas"])
+def test_explain_reports_the_plan_that_runs(monkeypatch, name):
+    """explain's plan is the one the call's forward and backward receive (passed through the custom_jvp,
+    not decided again), and the backend resolves its options once for the call."""
+    module = importlib.import_module(f"flexjax.backends.{name}")
+    table = jnp.linspace(-1.0, 1.0, 64)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + 31]
+
+    x = jax.random.normal(jax.random.key(0), (1, 32, 2, 16), jnp.float32)
+    bm = flexjax.create_block_mask(masks.causal, None, None, 32, 32, block_size=16)
+    plan = flexjax.explain(x, x, x, bias, bm, backend=name).plan
+    assert plan is not None and (plan.backend, plan.forward) == (name, flexjax.explain(x, x, x, bias, bm,
+                                                                                       backend=name).forward)
+    seen = _record_plans(monkeypatch, module)
+    resolves = []
+    original_resolve = module.resolve
+    monkeypatch.setattr(module, "resolve", lambda *a: resolves.append(1) or original_resolve(*a))
+
+    def loss(x, table_):
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + table_[q_idx - kv_idx + 31]
+        return flexjax.flex_attention(x, x, x, mod, bm, backend=name).sum()
+
+    jax.grad(loss, argnums=(0, 1))(x, table)
+    # (the forward is traced twice: custom_jvp traces its primal function too)
+    assert {n for n, _ in seen} == {"forward_with_residuals", "backward"}, seen
+    assert all(p == plan for _, p in seen), (seen, plan)
+    assert len(resolves) == 1, resolves
+
+
+def test_the_cpu_kernels_fallback_and_qkv_backward_are_in_the_plan():
+    """The C++ kernel's other lowering (jax.export) is the plan's, and so is the backward of a call whose
+    captured arrays are not differentiated: explain shows both."""
+    x = S((1, 256, 4, 64), jnp.float32)
+    table = jnp.zeros((512,))
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + 255]
+
+    bm = flexjax.create_block_mask(masks.causal, None, None, 256, 256)
+    exp = flexjax.explain(x, x, x, bias, bm, backend="xla")
+    plan = exp.plan
+    assert plan.forward == "cpu_kernel" and plan.forward_fallback in ("band", "loops")
+    assert plan.backward == "loops" and plan.backward_qkv == "cpu_kernel", plan
+    assert plan.backward_for((True,)) == "loops" and plan.backward_for((False,)) == "cpu_kernel"
+    text = str(exp)
+    assert "gradients of q, k and v alone: 'cpu_kernel'" in text and "jax.export" in text
+    assert "options: (KernelOptions(" in text
+    on_cuda = flexjax.explain(x, x, x, bias, bm, backend="xla", platform="cuda").plan
+    assert on_cuda.forward_fallback is None and on_cuda.forward in ("band", "loops")
+
+
+def test_paged_explain_reports_the_paged_plan():
+    q = S((B, 1, H, D), jnp.bfloat16)
+    kp = S((16, 128, K, D), jnp.bfloat16)
+    exp = paged.explain(q, kp, kp, S((B, 8), jnp.int32), S((B,), jnp.int32))
+    assert exp.plan.backend == "xla" and exp.plan.forward == "cpu_kernel" and exp.plan.forward_fallback == "decode"
+    tpu = paged.explain(q, kp, kp, S((B, 8), jnp.int32), S((B,), jnp.int32), platform="tpu").plan
+    assert tpu.backend == "pallas" and tpu.options.target == "tpu"

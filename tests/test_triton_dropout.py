@@ -31,9 +31,9 @@ def test_dropout_float16():
 def test_rate_zero_is_the_plain_source():
     """Rate 0: the plain kernels' source (no hash), and the seed is ignored."""
     make, q, k, v, do, dlse, sc, mc, lists = case("causal")
-    assert triton_backend._plan(None, make(0.0).mask, False, False)[2] == triton_backend._plan(
+    assert triton_backend._generated(None, make(0.0).mask, False, False)[2] == triton_backend._generated(
         None, make(0.0).mask, False)[2]
-    assert "fmix" not in triton_backend._plan(None, make(0.0).mask, False)[2]
+    assert "fmix" not in triton_backend._generated(None, make(0.0).mask, False)[2]
     seed, _ = key_and_mask(make(RATE), q, k)
     plain = run(triton_backend, make(0.0), q, k, v, do, dlse, sc, mc, lists, None)
     seeded = run(triton_backend, make(0.0), q, k, v, do, dlse, sc, mc, lists, seed)

@@ -24,7 +24,7 @@ _BACKENDS = {
 
 # Ordered choices for backend=None, per platform; each list ends on "xla". On GPU,
 # "mosaic_gpu" serves compute capabilities 9.0 and 10.0 and the mods, dtypes and head dims it
-# takes (its ``supports`` refuses the rest), "triton" only where jax-triton imports (the call
+# takes (its ``resolve`` refuses the rest), "triton" only where jax-triton imports (the call
 # warns that it fell through to "pallas"). Paged and ragged calls take the backends of the
 # list that have a paged path (``_contract.PagedBackend``).
 _PLATFORM_ORDER = {
@@ -92,14 +92,6 @@ def kernel_option_names(name: str) -> tuple[str, ...]:
     options = getattr(backend, "KernelOptions", None)
     fields = tuple(f.name for f in dataclasses.fields(options)) if options is not None else ()
     return fields + tuple(getattr(backend, "SWITCHES", ()))
-
-
-def implementations(backend, kind: str) -> tuple:
-    """The ordered ``_contract.Implementation`` list of ``backend``'s "FORWARD" or "BACKWARD" pass
-    (one named after the backend where it declares none)."""
-    from ._contract import Implementation, always
-
-    return tuple(getattr(backend, kind, None) or (Implementation(backend.NAME, always),))
 
 
 def _and(names) -> str:

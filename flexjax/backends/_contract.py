@@ -2,11 +2,11 @@
 
 A backend is a module (``backends/reference.py`` is the smallest complete one) that the
 ``Backend`` Protocol describes, registered by name in ``backends/__init__.py``. The API
-layer builds one ``AttentionSpec`` per call, asks ``validate_options`` and ``supports``,
-then runs ``forward_with_residuals`` under a ``custom_jvp`` whose transpose is
-``backward``. Inside a backend, the ways it can serve a call (a C++ kernel, a decode
-path, loops) are ``Implementation`` entries walked in order by ``first_serving``, so the
-choice made for a call can be reported (``flexjax.explain``).
+layer prepares one ``Call`` (spec, captured arrays, tile lists) and asks each candidate
+backend for its ``Plan`` (``make_plan``: options checked and resolved once, then the
+``Implementation`` of each pass, a C++ kernel, a decode path, loops, walked in order); the
+first plan runs, ``forward_with_residuals`` under a ``custom_jvp`` whose transpose is
+``backward``, both reading it, and ``flexjax.explain`` reports the same plan.
 
 This module imports nothing from flexjax: every layer may use it.
 """
@@ -14,8 +14,9 @@ This module imports nothing from flexjax: every layer may use it.
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -91,20 +92,67 @@ class Residuals(NamedTuple):
                 jnp.where(alive, jnp.log(jnp.where(alive, self.row_sum, 1.0)), 0.0))
 
 
+class Call(NamedTuple):
+    """A call prepared for the backends (``flexjax._spec.prepare``): its spec, the arrays the mods capture,
+    and the tile lists."""
+
+    spec: Any
+    score_consts: tuple
+    mask_consts: tuple
+    lists: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs for one call, decided once by the backend's ``plan`` and read by everything after it:
+    ``flex_attention`` (passed statically through its ``custom_jvp``, so it keys the compiled program),
+    the backend's forward and backward, and ``explain``, which reports it. What ``explain`` says is what runs.
+
+    Attributes:
+      backend: the backend's name.
+      forward: the ``Implementation`` of ``FORWARD`` that runs the forward.
+      backward: the one of ``BACKWARD`` that ``jax.grad`` runs when gradients of the score_mod's captured
+        arrays are wanted (planned with every float array differentiated).
+      backward_qkv: the one it runs for gradients of q, k and v alone.
+      options: the backend's kernel_options resolved for the call (its ``KernelOptions`` with the user's
+        values and the heuristics' defaults; hashable), or None where it takes none.
+      forward_fallback, backward_fallback: where the chosen implementation is a primitive that lowers to
+        another one when it cannot be called (the C++ CPU kernel under ``jax.export`` or for another
+        platform), that other one; else None.
+      skipped_forward, skipped_backward: (name, reason) for each implementation passed over, in order.
+    """
+
+    backend: str
+    forward: str
+    backward: str
+    backward_qkv: str
+    options: Any = None
+    forward_fallback: str | None = None
+    backward_fallback: str | None = None
+    skipped_forward: tuple = ()
+    skipped_backward: tuple = ()
+
+    def backward_for(self, grad_consts: Sequence[bool]) -> str:
+        """The backward implementation for these captured-array gradients."""
+        return self.backward if any(grad_consts) else self.backward_qkv
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What a backend module defines (``flexjax.backends.get_backend(name)`` returns it).
 
     Shapes: q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, Dv); lse and the
-    residuals (B, Hq, Sq). ``spec`` is the call's ``flexjax._api.AttentionSpec``;
+    residuals (B, Hq, Sq). ``spec`` is the call's ``flexjax._spec.AttentionSpec``;
     ``score_consts`` / ``mask_consts`` are the arrays the mods close over; ``lists`` is
-    the BlockMask's ``TileLists``.
+    the BlockMask's ``TileLists``; ``plan`` is what the backend's ``plan`` returned for the call.
 
     Optional: ``KernelOptions`` (a frozen dataclass, one field per ``kernel_options`` key)
     and ``SWITCHES`` (further keys that are not fields).
     """
 
     NAME: str
+    FORWARD: tuple   # the forward's ``Implementation``s, in the order tried
+    BACKWARD: tuple  # the backward's
 
     def validate_options(self, spec) -> None:
         """Raises ``ValueError`` naming the key for an invalid ``kernel_options`` value.
@@ -113,25 +161,31 @@ class Backend(Protocol):
         else raises.
         """
 
-    def supports(self, spec, q, k, v) -> str | None:
-        """None when the backend serves this call, else the reason, as a sentence.
+    def resolve(self, spec, q, k, v) -> Any:
+        """The call's resolved options (hashable; the plan's ``options``), or the reason the backend cannot
+        serve it, as a ``str`` sentence. Called after ``validate_options``; a ``NotImplementedError`` is a
+        refusal too, and any other exception a flexjax bug reported as the reason (``guarded``)."""
 
-        Never raises: a failure while deciding (a mod the code generator cannot take, a
-        missing package) is a reason. Called after ``validate_options``.
-        """
+    def plan(self, call: Call, q, k, v, dropout_seed=None) -> Plan | str:
+        """The ``Plan`` for ``call``, or the reason the backend cannot serve it. Every backend's is
+        ``make_plan`` on itself (``plan = planner(__name__)``): ``validate_options``, ``resolve``, then the
+        first implementation of ``FORWARD`` and of ``BACKWARD`` that serves, each asked once."""
 
     def forward_with_residuals(self, spec, q, k, v, score_consts, mask_consts, lists: TileLists,
-                               dropout_seed=None) -> tuple[jax.Array, jax.Array, Residuals]:
-        """(out (B, Sq, Hq, Dv) in q's dtype, lse float32, ``Residuals``).
+                               dropout_seed=None, plan: Plan | None = None) -> tuple[jax.Array, jax.Array, Residuals]:
+        """(out (B, Sq, Hq, Dv) in q's dtype, lse float32, ``Residuals``), as ``plan`` says (None: planned
+        here, ``planned``).
 
         ``dropout_seed`` is the (2,) uint32 seed when ``spec.dropout_rate > 0``.
         """
 
     def backward(self, spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists: TileLists,
-                 grad_consts: Sequence[bool], residuals: Residuals, dropout_seed=None) -> tuple:
+                 grad_consts: Sequence[bool], residuals: Residuals, dropout_seed=None,
+                 plan: Plan | None = None) -> tuple:
         """(dq, dk, dv, dscore): the inputs' gradients in their dtypes and one entry per
         score_mod captured array, its gradient where ``grad_consts`` flags it, else None.
-        Deterministic (no atomics): the same inputs give the same bits."""
+        Deterministic (no atomics): the same inputs give the same bits. ``plan.backward_for(grad_consts)``
+        names the implementation."""
 
 
 @runtime_checkable
@@ -166,11 +220,14 @@ class Implementation(NamedTuple):
     """One way a backend can serve a pass: a name and its own "can you serve this" test.
 
     ``supports(**context) -> str | None`` (None: it serves) receives the keywords the
-    backend's pass passes to ``first_serving``; it must not raise.
+    plan passes to ``walk`` (``make_plan``: the call, its arrays and the resolved
+    ``options``); it must not raise. ``fallback``: it is a primitive that lowers to the next implementation
+    that serves where it cannot be called (``Plan.forward_fallback``).
     """
 
     name: str
     supports: Callable[..., str | None]
+    fallback: bool = False
 
 
 class InvalidOption(ValueError):
@@ -189,8 +246,8 @@ def validate(backend, spec) -> None:
 
 @contextlib.contextmanager
 def guarded(who: str, what: str = "check the call"):
-    """The one rule for every "can you serve this" question (a backend's ``supports``, an implementation's,
-    a mod compiled to see whether it lowers): a ``NotImplementedError`` is a refusal and an ``InvalidOption``
+    """The one rule for every "can you serve this" question (a backend's ``resolve``, an implementation's
+    ``supports``, a mod compiled to see whether it lowers): a ``NotImplementedError`` is a refusal and an ``InvalidOption``
     the caller's, and both pass; any other exception is a flexjax bug, raised as a refusal that says so
     and keeps it as its cause, so that ``backend=None`` moves on to the next backend instead of crashing."""
     try:
@@ -213,40 +270,84 @@ def answer(question: Callable[..., str | None], who: str, *args, **kwargs) -> st
         return str(e)
 
 
-def first_serving(implementations: Sequence[Implementation], label: str = "", *, or_none: bool = False,
-                  **context) -> tuple[str | None, list[tuple[str, str]]]:
-    """The name of the first implementation that serves, and (name, reason) for each one passed over.
+def choose(candidates: Sequence[Implementation], label: str = "", *, or_none: bool = False,
+           **context) -> tuple[str | None, Any, list[tuple[str, str]]]:
+    """The first candidate that serves: its name, what its ``supports`` answered (a ``str`` is a refusal;
+    anything else, None included, is the answer of one that serves, such as a backend's ``Plan``), and
+    (name, reason) for each one passed over.
 
-    The last implementation of every list serves everything it is given (its ``supports``
-    returns None), so a pass always has one; where none serves it raises, or with ``or_none``
-    returns (None, every reason). ``label`` names the pass in the log ("xla
-    forward"). Each choice is logged at DEBUG level on the
-    "flexjax" logger (``logging.getLogger("flexjax").setLevel(logging.DEBUG)``), with the
-    reasons of those passed over: the same sentences ``flexjax.explain`` returns.
+    The last implementation of every backend's list serves everything it is given, so a pass always
+    has one; where none serves it raises, or with ``or_none`` returns (None, None, every reason).
+    ``label`` names the choice in the log ("xla forward"): each is logged at DEBUG level on the
+    "flexjax" logger (``logging.getLogger("flexjax").setLevel(logging.DEBUG)``), with the reasons of
+    those passed over: the same sentences ``flexjax.explain`` returns.
     """
     skipped = []
-    for impl in implementations:
-        reason = answer(impl.supports, f"implementation {impl.name!r}", **context)
-        if reason is None:
+    for impl in candidates:
+        got = answer(impl.supports, f"implementation {impl.name!r}", **context)
+        if not isinstance(got, str):
             if _LOG.isEnabledFor(logging.DEBUG):
                 passed = "".join(f"; not {n!r}: {r}" for n, r in skipped)
                 _LOG.debug("flexjax: %s runs %r%s", label or "a pass", impl.name, passed)
-            return impl.name, skipped
-        skipped.append((impl.name, reason))
+            return impl.name, got, skipped
+        skipped.append((impl.name, got))
     if or_none:
-        return None, skipped
+        return None, None, skipped
     raise NotImplementedError("no implementation serves this call: " + "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
-def never_raises(supports: Callable[..., str | None]) -> Callable[..., str | None]:
-    """A backend's ``supports`` that keeps its promise, by ``answer``'s rule."""
-    who = f"the {supports.__module__.rsplit('.', 1)[-1]} backend"
+def walk(backend, kind: str, context: dict) -> tuple[str, str | None, list]:
+    """(chosen, its fallback, skipped) among ``backend``'s ``kind`` implementations ("FORWARD", "BACKWARD",
+    "PAGED_FORWARD"), ``context`` their keywords."""
+    impls = tuple(getattr(backend, kind))
+    name, _, skipped = choose(impls, f"{backend.NAME} {kind.lower()}", **context)
+    chosen = next(i for i, impl in enumerate(impls) if impl.name == name)
+    fallback = None
+    if impls[chosen].fallback:
+        fallback, _, _ = choose(impls[chosen + 1:], f"{backend.NAME} {kind.lower()} fallback", **context)
+    return name, fallback, skipped
 
-    @functools.wraps(supports)
-    def guarded_supports(*args, **kwargs):
-        return answer(supports, who, *args, **kwargs)
 
-    return guarded_supports
+def make_plan(backend, call: Call, q, k, v, dropout_seed=None) -> Plan | str:
+    """The body of every backend's ``plan``: ``validate_options`` (an invalid value raises, the caller's to
+    fix), ``resolve`` under ``guarded`` (a reason ends it), then the forward's and the backward's
+    implementations, each list walked once with the resolved options in the context."""
+    spec = call.spec
+    validate(backend, spec)
+    options = answer(backend.resolve, f"the {backend.NAME} backend", spec, q, k, v)
+    if isinstance(options, str):
+        return options
+    context = dict(spec=spec, q=q, k=k, v=v, score_consts=call.score_consts, mask_consts=call.mask_consts,
+                   lists=call.lists, dropout_seed=dropout_seed, options=options)
+    forward, forward_fallback, skipped_forward = walk(backend, "FORWARD", context)
+    grads = tuple(bool(jnp.issubdtype(jnp.result_type(c), jnp.inexact)) for c in call.score_consts)
+    backward, backward_fallback, skipped_backward = walk(backend, "BACKWARD", dict(context, grad_consts=grads))
+    backward_qkv = backward
+    if any(grads):
+        backward_qkv, _, _ = walk(backend, "BACKWARD", dict(context, grad_consts=(False,) * len(grads)))
+    return Plan(backend.NAME, forward, backward, backward_qkv, options, forward_fallback, backward_fallback,
+                tuple(skipped_forward), tuple(skipped_backward))
+
+
+def planner(module_name: str) -> Callable[..., Plan | str]:
+    """A backend module's ``plan``: ``make_plan`` on the module (``plan = planner(__name__)``)."""
+
+    def plan(call: Call, q, k, v, dropout_seed=None) -> Plan | str:
+        return make_plan(sys.modules[module_name], call, q, k, v, dropout_seed)
+
+    plan.__doc__ = Backend.plan.__doc__
+    return plan
+
+
+def planned(backend, plan: Plan | None, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None) -> Plan:
+    """``plan``, or where it is None (a backend's forward or backward called directly) the backend's plan for
+    the call, raising its reason."""
+    if plan is not None:
+        return plan
+    got = backend.plan(Call(spec, tuple(score_consts), tuple(mask_consts), lists), q, k, v, dropout_seed)
+    if isinstance(got, str):
+        raise NotImplementedError(f"backend {backend.NAME!r} cannot serve this call: {got}")
+    return got
 
 
 def always(**_) -> None:

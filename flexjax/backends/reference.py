@@ -7,21 +7,23 @@ import jax.numpy as jnp
 
 from .. import _dropout
 from ._common import acc_dtype, allowed, apply_score_mod
-from ._contract import Implementation, Residuals, always, never_raises
+from ._contract import Implementation, Residuals, always, planner
 
 NAME = "reference"
 
 
 def validate_options(spec) -> None:
-    """The reference backend has no kernel_options to check (any given are refused by ``supports``)."""
+    """The reference backend has no kernel_options to check (any given are refused by ``resolve``)."""
 
 
-@never_raises
-def supports(spec, q, k, v) -> str | None:
-    """None: the reference backend serves every call without kernel_options."""
+def resolve(spec, q, k, v) -> str | None:
+    """No options: the reference backend serves every call without kernel_options."""
     if spec.options:
         return f"the reference backend takes no kernel_options, got {sorted(spec.options)}"
     return None
+
+
+plan = planner(__name__)
 
 
 FORWARD = BACKWARD = (Implementation("dense", always),)
@@ -57,14 +59,15 @@ def _dense(spec, q, k, v, score_consts, mask_consts, seed=None):
     return out.astype(q.dtype), lse, Residuals.from_running(m[..., 0], l[..., 0])
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and the rows' ``Residuals`` (the backward differentiates the dense math again)."""
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, plan=None):
+    """out, lse and the rows' ``Residuals`` (the backward differentiates the dense math again); one
+    implementation, so the plan has nothing to say."""
     return _dense(spec, q, k, v, score_consts, mask_consts, dropout_seed)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
-             dropout_seed=None):
-    del residuals
+             dropout_seed=None, plan=None):
+    del residuals, plan
     float_idx = [i for i, want in enumerate(grad_consts) if want]
 
     def f(q, k, v, float_consts):

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from ..._modcompiler import compile_mod
 from .. import current_platform, platform_overridden
-from .._contract import Implementation, always, never_raises
+from .._contract import Implementation, always, planned, planner
 from .._frontend import (
     TileOptions,
     backward_inputs,
@@ -51,7 +52,7 @@ NAME = "mosaic_gpu"
 
 # Mosaic GPU (jax.experimental.pallas.mosaic_gpu) imports absl-py, which JAX does not install, and a
 # bare `pip install flexjax` must still serve every CPU call: the kernels load where their packages
-# import, and elsewhere ``supports`` refuses with the extra that brings them.
+# import, and elsewhere ``resolve`` refuses with the extra that brings them.
 try:
     from . import _kernels, _mma
 except ModuleNotFoundError as e:
@@ -179,9 +180,9 @@ def _tile_reason(spec, o: KernelOptions) -> str | None:
     return None
 
 
-@never_raises
-def supports(spec, q, k, v) -> str | None:
-    """None if the mosaic_gpu backend can serve this call, else why not (``validate_options`` has run)."""
+def resolve(spec, q, k, v) -> KernelOptions | str:
+    """The call's options (``_resolve``) if the mosaic_gpu backend can serve it, else why not
+    (``validate_options`` has run)."""
     if MISSING is not None:
         return MISSING
     basic = basic_reason(NAME, spec, q, _FIELDS, _host_target())
@@ -225,7 +226,10 @@ def supports(spec, q, k, v) -> str | None:
         _mods(spec)
     except NotImplementedError as e:
         return str(e)
-    return None
+    return o
+
+
+plan = planner(__name__)
 
 
 # XLA:CPU threads that Mosaic GPU's interpreter needs: each simulated warpgroup is a computation
@@ -261,9 +265,9 @@ def _as_kernel(x):
     return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.int32)
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and the rows' ``Residuals`` (B, Hq, Sq) float32."""
-    o = _resolve(spec, q.shape[-1])
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, plan=None):
+    """out, lse and the rows' ``Residuals`` (B, Hq, Sq) float32, with ``plan``'s options."""
+    o = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed).options
     mods = _mods(spec)
     g, lists, qp, kp, vp = prepare(spec, q, k, v, lists, o.block_q, o.block_kv)
     rows, cols = _hoisted(prologues(mods, score_consts, mask_consts, g))
@@ -274,9 +278,9 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
-             dropout_seed=None):
+             dropout_seed=None, plan=None):
     """dq, dk, dv and the score_mod's captured-array gradients (through the prologue's VJP)."""
-    o = _resolve(spec, q.shape[-1])
+    o = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed).options
     mods = _mods(spec)
     # dQ walks (block_q query rows, bwd_block_kv keys) tiles, dK/dV (bwd_block_q, the consumer's key
     # rows): both pad to the larger of their sequence lengths, with the lists regrouped for each.

@@ -9,12 +9,13 @@ host, so lowering and AOT compilation work from a CPU machine.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 
 from ..._modcompiler import compile_mod
 from .. import current_platform
-from .._contract import Implementation, always, first_serving, never_raises
+from .._contract import Implementation, always, planned, planner
 from .._frontend import (
     TILE_FIELDS,
     KernelOptionsBase,
@@ -112,9 +113,9 @@ def validate_options(spec) -> None:
     check_options(spec.options, spec.block_size, _TARGETS)
 
 
-@never_raises
-def supports(spec, q, k, v) -> str | None:
-    """None if the pallas backend can serve this call, else why not (``validate_options`` has run)."""
+def resolve(spec, q, k, v) -> KernelOptions | str:
+    """The call's options (``_resolve``) if the pallas backend can serve it, else why not (``validate_options``
+    has run)."""
     basic = basic_reason(NAME, spec, q, _FIELDS, _host_target())
     if basic is not None:
         return basic
@@ -145,7 +146,10 @@ def supports(spec, q, k, v) -> str | None:
         _mods(spec, o)
     except NotImplementedError as e:
         return str(e)
-    return None
+    return o
+
+
+plan = planner(__name__)
 
 
 def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
@@ -154,30 +158,28 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     return prepare(spec, q, k, v, lists, tq, tk, pow2_dim if o.target == "cuda" else (lambda n: n))
 
 
-def _decode_reason(spec, q, k, v, lists, **_) -> str | None:
+def _decode_reason(spec, q, k, v, lists, options, **_) -> str | None:
     """None where the decode kernel serves (few queries: KV split over programs, merged by lse).
 
     On TPU, calls the decode kernel cannot serve take the tiled kernels, which are exact too.
     """
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    o = options
     if not _decode.serves(spec, q, o):
         return f"{spec.q_len} queries or options the decode kernel does not take"
     return _decode.tpu_reason(spec, q, v, lists, _mods(spec, o)) if o.target == "tpu" else None
 
 
-# The ways this backend serves each pass, in the order they are tried (``_contract.first_serving``):
+# The ways this backend serves each pass, in the order they are tried (``_contract.make_plan``):
 # the decode kernel, then the tiled kernels (``_gpu``: Pallas' Triton lowering or its interpreter;
-# ``_tpu``: Mosaic), which serve every call ``supports`` accepts.
+# ``_tpu``: Mosaic), which serve every call ``resolve`` accepts.
 FORWARD = (Implementation("decode", _decode_reason), Implementation("tiled", always))
 BACKWARD = (Implementation("tiled", always),)
 
 
-def supports_paged(spec, q, k, v, lists) -> str | None:
-    """None where the decode kernel serves a paged call (``k`` / ``v`` stand for the logical cache)."""
-    reason = supports(spec, q, k, v)
-    if reason is not None:
-        return reason
-    o = _resolve(spec, q.shape[-1], q.dtype)
+def supports_paged(spec, q, k, v, lists, options) -> str | None:
+    """None where the decode kernel serves a paged call (``k`` / ``v`` stand for the logical cache) with the
+    options ``resolve`` gave."""
+    o = options
     if not _decode.serves(spec, q, o):
         return (f"the pallas paged kernel serves Sq <= {_decode.DECODE_MAX_Q}, got Sq={spec.q_len} on "
                 f"{current_platform()}; pass backend='xla'")
@@ -208,11 +210,11 @@ def ragged_rows(dtype, kernel_options: dict) -> int:
 TPU_SCALE_BYTES = 512 * 1024
 
 
-def supports_quantized(spec, q, pages) -> str | None:
+def supports_quantized(spec, q, pages, options) -> str | None:
     """None where the decode kernel dequantizes int8 / float8_e4m3fn tiles as it loads them (to
     the query's dtype, with their page's scale). On TPU the scales sit in SMEM, flat: at most
     ``TPU_SCALE_BYTES`` of them for k and v together."""
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    o = options
     need = 2 * 4 * pages.shape[0] * pages.shape[2]
     if o.target == "tpu" and need > TPU_SCALE_BYTES:
         return (f"the TPU kernel keeps the pools' scales in SMEM: {pages.shape[0]} pages x {pages.shape[2]} kv heads "
@@ -224,10 +226,10 @@ def supports_quantized(spec, q, pages) -> str | None:
 PAGED_FORWARD = (Implementation("decode", always),)
 
 
-def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
-    """``forward_with_residuals`` over page pools and a page table: the decode kernel reads each
-    tile from its page (``scales``: a quantized pool's (k_scale, v_scale) (num_pages, Hkv))."""
-    o = _resolve(spec, q.shape[-1], q.dtype)
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None, *, plan):
+    """``forward_with_residuals`` over page pools and a page table, with ``plan``'s options: the decode kernel
+    reads each tile from its page (``scales``: a quantized pool's (k_scale, v_scale) (num_pages, Hkv))."""
+    o = plan.options
     return _decode.forward_with_residuals(spec, q, k_pages, v_pages, score_consts, mask_consts, lists, o,
                                           _mods(spec, o), page_table=page_table, scales=scales)
 
@@ -236,16 +238,16 @@ def _template(o: KernelOptions):
     return _tpu if o.target == "tpu" else _gpu
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and, for the backward, the rows' ``Residuals`` (B, Hq, Sq) float32.
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, plan=None):
+    """out, lse and, for the backward, the rows' ``Residuals`` (B, Hq, Sq) float32, as ``plan`` says.
 
     ``dropout_seed``: (2,) uint32 when ``spec.dropout_rate`` > 0 (the statistics are those
     of the undropped probabilities).
     """
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    plan = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+    o = plan.options
     mods = _mods(spec, o)
-    name, _ = first_serving(FORWARD, "pallas forward", spec=spec, q=q, k=k, v=v, lists=lists)
-    if name == "decode":
+    if plan.forward == "decode":
         return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, o, mods)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
@@ -257,14 +259,14 @@ def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, drop
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
-             dropout_seed=None):
+             dropout_seed=None, plan=None):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``; ``dropout_seed`` the
     forward's (the kernels regenerate its keep mask). The per-row inputs and the exactness of
     rows with a huge max are ``_frontend.backward_rows``'.
     """
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    o = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed).options
     mods = _mods(spec, o)
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..._modcompiler import compile_mod
 from .. import _frontend, current_platform, platform_overridden
-from .._contract import Implementation, always, never_raises
+from .._contract import Implementation, always, planned, planner
 from .._layout import Mods, geometry, pad_axis, prologues
 from .._tile_tables import TRITON_DROPOUT_BWD_KV, TRITON_SM80, TRITON_SM90, TRITON_SM90_NO_GATHER
 from . import _codegen, _kernels, _launch, _templates, _versions
@@ -182,10 +183,10 @@ def _resolve(spec, head_dim: int, dtype) -> KernelOptions:
 def _gathers(spec) -> bool:
     """Whether a mod of the call reads a captured array inside the kernels (``heuristics``)."""
     try:
-        _, plan, _ = _plan(spec.score, spec.mask, False)
+        _, template, _ = _generated(spec.score, spec.mask, False)
     except NotImplementedError:
         return True
-    return any(gm is not None and gm.arrays for gm in (plan.score, plan.mask))
+    return any(gm is not None and gm.arrays for gm in (template.score, template.mask))
 
 
 def _check_options(opts: dict, block_size):
@@ -217,14 +218,14 @@ def _missing_modules(interpret: bool) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(score, mask, grads: bool, dropout: bool = False, paged: bool = False, quant: bool = False):
+def _generated(score, mask, grads: bool, dropout: bool = False, paged: bool = False, quant: bool = False):
     """The compiled mods, the template plan and its source (the codegen raises NotImplementedError)."""
     cms = Mods(score=compile_mod(score, "triton") if score is not None else None,
                mask=compile_mod(mask, "triton") if mask is not None else None)
-    plan = _templates.Plan(score=_codegen.generate(cms.score, prefix="score") if cms.score is not None else None,
+    template = _templates.Plan(score=_codegen.generate(cms.score, prefix="score") if cms.score is not None else None,
                            mask=_codegen.generate(cms.mask, prefix="mask") if cms.mask is not None else None,
                            grads=grads and cms.score is not None, dropout=dropout, paged=paged, quant=quant)
-    return cms, plan, _templates.source(plan)
+    return cms, template, _templates.source(template)
 
 
 def validate_options(spec) -> None:
@@ -232,9 +233,9 @@ def validate_options(spec) -> None:
     _check_options(spec.options, spec.block_size)
 
 
-@never_raises
-def supports(spec, q, k, v) -> str | None:
-    """None if the triton backend can serve this call, else why not (``validate_options`` has run)."""
+def resolve(spec, q, k, v) -> KernelOptions | str:
+    """The call's options (``_resolve``) if the triton backend can serve it, else why not (``validate_options``
+    has run)."""
     basic = _frontend.basic_reason(NAME, spec, q, _FIELDS, _host_target(), "; it runs on NVIDIA GPUs")
     if basic is not None:
         return basic
@@ -257,13 +258,16 @@ def supports(spec, q, k, v) -> str | None:
     if o.autotune and o.interpret:
         return "kernel_options['autotune'] needs GPU kernels; it does nothing in Triton's interpreter"
     try:
-        _plan(spec.score, spec.mask, False)
+        _generated(spec.score, spec.mask, False)
     except NotImplementedError as e:
         return str(e)
-    return None
+    return o
 
 
-# One way to serve each pass: the generated kernels (``_contract.first_serving``).
+plan = planner(__name__)
+
+
+# One way to serve each pass: the generated kernels (``_contract.make_plan``).
 FORWARD = BACKWARD = (Implementation("kernels", always),)
 
 
@@ -308,30 +312,27 @@ def _prepare(spec, q, k, v, lists, o: KernelOptions, backward: bool):
     return (g_dq, g_dkv), lists, qp, kp, vp
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and, for the backward, the rows' ``Residuals`` (B, Hq, Sq) float32.
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, plan=None):
+    """out, lse and, for the backward, the rows' ``Residuals`` (B, Hq, Sq) float32, with ``plan``'s options.
 
     ``dropout_seed``: (2,) uint32 when ``spec.dropout_rate`` > 0 (the statistics are those
     of the undropped probabilities).
     """
-    o = _resolve(spec, q.shape[-1], q.dtype)
-    mods, plan, source = _plan(spec.score, spec.mask, False, bool(spec.dropout_rate))
+    o = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed).options
+    mods, template, source = _generated(spec.score, spec.mask, False, bool(spec.dropout_rate))
     g, lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=False)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
-    out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
+    out, row_max, row_sum = _kernels.forward(template, source, g, spec.scale, qp, kp, vp, lists, s_pro, m_pro,
                                              _run(spec, o, "fwd"),
                                              **_frontend.dropout_args(spec, dropout_seed))
     return _frontend.forward_results(q, v, out, row_max, row_sum)
 
 
-def supports_paged(spec, q, k, v, lists) -> str | None:
+def supports_paged(spec, q, k, v, lists, options) -> str | None:
     """None where the forward kernel serves a paged call (``k`` / ``v`` stand for the logical
     cache): its kv tiles must not cross a page, and the pools, which are read in place, need
     head dims the kernel takes unpadded (powers of two >= 16)."""
-    reason = supports(spec, q, k, v)
-    if reason is not None:
-        return reason
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    o = options
     ck = max(spec.block_size[1], _kernel_tile(o.block_kv))
     if spec.kv_len % ck:
         return (f"the triton paged kernel reads kv tiles of {ck} rows, which must divide the page size; set "
@@ -347,11 +348,11 @@ def ragged_rows(dtype, kernel_options: dict) -> int:
     return 128
 
 
-def supports_quantized(spec, q, pages) -> str | None:
+def supports_quantized(spec, q, pages, options) -> str | None:
     """None where the forward kernel dequantizes the pools' tiles as it loads them (to the
     query's dtype, with their page's scale): int8, and float8_e4m3fn on GPUs (Triton's
     interpreter takes its operands through torch, which cannot convert float8 arrays)."""
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    o = options
     if o.interpret and pages.dtype == jnp.float8_e4m3fn:
         return ("Triton's interpreter cannot take float8_e4m3fn pools (torch converts no float8 array); lower for "
                 "the GPU with kernel_options={'target': 'cuda'}, or pass backend='xla' or 'pallas'")
@@ -362,24 +363,24 @@ def supports_quantized(spec, q, pages) -> str | None:
 PAGED_FORWARD = (Implementation("paged", always),)
 
 
-def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None, *, plan):
     """``forward_with_residuals`` over page pools (num_pages, page_size, Hkv, .) read through
     ``page_table`` (B, max_pages) by the forward kernel (``spec.kv_len`` = max_pages *
-    page_size); ``scales``: a quantized pool's (k_scale, v_scale) (num_pages, Hkv)."""
-    o = _resolve(spec, q.shape[-1], q.dtype)
-    mods, plan, source = _plan(spec.score, spec.mask, False, False, True, scales is not None)
+    page_size); ``scales``: a quantized pool's (k_scale, v_scale) (num_pages, Hkv). ``plan``: its options."""
+    o = plan.options
+    mods, template, source = _generated(spec.score, spec.mask, False, False, True, scales is not None)
     k_like = jax.ShapeDtypeStruct((q.shape[0], spec.kv_len) + k_pages.shape[2:], q.dtype)
     g, lists = geometry(spec, q, k_like, lists, o.block_q, o.block_kv)
     g = dataclasses.replace(g, tq=_kernel_tile(o.block_q), tk=_kernel_tile(o.block_kv))
     qp = pad_axis(q, 1, g.sq)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
-    out, row_max, row_sum = _kernels.forward(plan, source, g, spec.scale, qp, k_pages, v_pages, lists, s_pro, m_pro,
+    out, row_max, row_sum = _kernels.forward(template, source, g, spec.scale, qp, k_pages, v_pages, lists, s_pro, m_pro,
                                              _run(spec, o, "fwd"), page_table=page_table, scales=scales)
     return _frontend.forward_results(q, v_pages, out, row_max, row_sum)
 
 
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
-             dropout_seed=None):
+             dropout_seed=None, plan=None):
     """dq, dk, dv and the score_mod's captured-array gradients.
 
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``; ``dropout_seed`` the
@@ -387,13 +388,13 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     rows with a huge max are ``_frontend.backward_rows``'. The row / column / array-read
     gradients are only reduced when a captured float array is differentiated (``grad_consts``).
     """
-    o = _resolve(spec, q.shape[-1], q.dtype)
+    o = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed).options
     wanted = any(grad_consts)
-    mods, plan, source = _plan(spec.score, spec.mask, wanted, bool(spec.dropout_rate))
+    mods, template, source = _generated(spec.score, spec.mask, wanted, bool(spec.dropout_rate))
     (g, g_dkv), lists, qp, kp, vp = _prepare(spec, q, k, v, lists, o, backward=True)
     s_pro, m_pro = prologues(mods, score_consts, mask_consts, g)
     lse_safe, delta, dop = _frontend.backward_inputs(q, out, lse, dout, dlse, residuals, g, vp.shape[-1])
-    grads = _kernels.backward(plan, source, (g, g_dkv), spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro,
+    grads = _kernels.backward(template, source, (g, g_dkv), spec.scale, qp, kp, vp, dop, lse_safe, delta, lists, s_pro,
                               m_pro, (_run(spec, o, "dq"), _run(spec, o, "dkv")),
                               **_frontend.dropout_args(spec, dropout_seed))
-    return _frontend.backward_results(spec, q, v, g, mods.score, score_consts, plan.grads, grads)
+    return _frontend.backward_results(spec, q, v, g, mods.score, score_consts, template.grads, grads)

@@ -63,7 +63,7 @@ def version_problem(interpret: bool) -> str | None:
 
     Returns:
       None for a supported combination (or nothing installed to judge); otherwise a
-      sentence for the backend's ``supports``, naming the installed versions, the
+      sentence for the backend's ``resolve``, naming the installed versions, the
       supported ones and the ``pip install`` that fixes it.
     """
     names = ("triton",) if interpret else ("triton", "jax-triton")

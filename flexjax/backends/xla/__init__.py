@@ -9,6 +9,8 @@ softmax in float32 (float64 for float64 inputs) and never materializes a (q_len,
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ import numpy as np
 from ... import _dropout
 from .. import _softmax, current_platform
 from .._common import acc_dtype, allowed, apply_score_mod, coarse_lists
-from .._contract import Implementation, Residuals, TileLists, always, first_serving, never_raises
+from .._contract import Implementation, Residuals, TileLists, always, planned, planner
 
 NAME = "xla"
 
@@ -114,17 +116,20 @@ def validate_options(spec) -> None:
             )
 
 
-@never_raises
-def supports(spec, q, k, v) -> str | None:
-    """None: the xla backend serves every call with its own kernel_options."""
+def resolve(spec, q, k, v) -> tuple[KernelOptions, int | None] | str:
+    """The tiles and the band width (``_resolve``): the xla backend serves every call with its own
+    kernel_options."""
     unknown = sorted(set(spec.options) - set(_FIELDS) - set(SWITCHES))
     if unknown:
         return f"unknown kernel_options {unknown} for the xla backend; it takes {[*_FIELDS, *SWITCHES]}"
-    return None
+    return _resolve(spec)
 
 
-def _band_reason(spec, **_) -> str | None:
-    if _resolve(spec)[1] is None:
+plan = planner(__name__)
+
+
+def _band_reason(spec, options, **_) -> str | None:
+    if options[1] is None:
         return (f"the mask's widest kv range ({spec.kv_band}) is unknown or above {_BAND_MAX}, or forward tiles "
                 "were given")
     return None
@@ -145,26 +150,28 @@ def _decode_reason(spec, q, **_) -> str | None:
     return _decode.reason(spec, q)
 
 
-# The ways this backend serves each pass, in the order they are tried (``_contract.first_serving``).
+# The ways this backend serves each pass, in the order they are tried (``_contract.make_plan``).
+# The C++ kernel's primitive lowers to the next implementation that serves where it cannot be called
+# (``jax.export``, another platform): ``Plan.forward_fallback`` / ``backward_fallback``.
 FORWARD = (
-    Implementation("cpu_kernel", _cpu_reason),   # one fused C++ call (backends/xla/cpu)
+    Implementation("cpu_kernel", _cpu_reason, fallback=True),   # one fused C++ call (backends/xla/cpu)
     Implementation("decode", _decode_reason),    # few queries: GQA rows packed, kv chunks merged by lse
     Implementation("band", _band_reason),        # one contiguous kv slice per q tile, no loop
     Implementation("loops", always),             # a loop over each q tile's kv tiles
 )
 BACKWARD = (
-    Implementation("cpu_kernel", _cpu_backward_reason),
+    Implementation("cpu_kernel", _cpu_backward_reason, fallback=True),
     Implementation("loops", always),
 )
 # The forward over paged KV pools (``flexjax.paged``): the C++ kernel reads each tile from its
 # page in place; else the decode path gathers the tiles it reads through the page table.
 PAGED_FORWARD = (
-    Implementation("cpu_kernel", _cpu_reason),
+    Implementation("cpu_kernel", _cpu_reason, fallback=True),
     Implementation("decode", always),
 )
 
 
-def supports_paged(spec, q, k, v, lists) -> str | None:
+def supports_paged(spec, q, k, v, lists, options) -> str | None:
     """None: the xla backend serves every paged call (``k`` / ``v`` stand for the logical cache)."""
     return None
 
@@ -174,20 +181,16 @@ def ragged_rows(dtype, kernel_options: dict) -> int:
     return 128
 
 
-def supports_quantized(spec, q, pages) -> str | None:
+def supports_quantized(spec, q, pages, options) -> str | None:
     """None: int8 and float8_e4m3fn pools are dequantized as their tiles are read."""
     return None
 
 
-def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None):
+def paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists, scales=None, *, plan):
     """``forward_with_residuals`` over page pools (num_pages, page_size, Hkv, .) and a page
-    table (B, max_pages); ``spec.kv_len`` is max_pages * page_size. ``scales``: a quantized
-    pool's (k_scale, v_scale), float32 (num_pages, Hkv)."""
-    k_like, v_like = (jax.ShapeDtypeStruct((q.shape[0], spec.kv_len) + x.shape[2:], x.dtype)
-                      for x in (k_pages, v_pages))
-    name, _ = first_serving(PAGED_FORWARD, "xla paged forward", spec=spec, q=q, k=k_like, v=v_like,
-                            score_consts=score_consts, mask_consts=mask_consts, dropout_seed=None)
-    if name == "cpu_kernel":
+    table (B, max_pages), by ``plan.forward``; ``spec.kv_len`` is max_pages * page_size. ``scales``: a
+    quantized pool's (k_scale, v_scale), float32 (num_pages, Hkv)."""
+    if plan.forward == "cpu_kernel":
         from . import cpu
         return cpu.paged_forward(spec, q, k_pages, v_pages, page_table, score_consts, mask_consts, lists,
                                  _decode_paged_forward, scales=scales)
@@ -520,11 +523,11 @@ def _run_groups(core, batch_shared, head_shared, qt, kv, qrows, lists, b_ids, h_
     return f(qt, kv, qrows, lists, b_ids, h_ids)
 
 
-def _prepare(spec, q, k, lists, backward: bool):
+def _prepare(spec, q, k, lists, options, backward: bool):
     B, Sq, Hq, _ = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    opts, band = _resolve(spec)
+    opts, band = options
     if backward:
         band = None
     tq, tk = (opts.bwd_block_q, opts.bwd_block_kv) if backward else (opts.block_q, opts.block_kv)
@@ -540,27 +543,41 @@ def _prepare(spec, q, k, lists, backward: bool):
     return g, band, coarse, batch_shared, head_shared, b_ids, h_ids
 
 
-def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """out, lse and, for the backward, each row's ``Residuals`` (B, Hq, Sq)."""
-    name, _ = first_serving(FORWARD, "xla forward", spec=spec, q=q, k=k, v=v, score_consts=score_consts,
-                            mask_consts=mask_consts, dropout_seed=dropout_seed)
-    if name == "cpu_kernel":
+def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, plan=None):
+    """out, lse and, for the backward, each row's ``Residuals`` (B, Hq, Sq), by ``plan.forward``."""
+    plan = planned(_self(), plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+    if plan.forward == "cpu_kernel":
         from . import cpu
-        return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists, _xla_forward)
-    return _xla_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+        return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists,
+                           _Bound(_FORWARDS[plan.forward_fallback], plan.options))
+    return _FORWARDS[plan.forward](spec, q, k, v, score_consts, mask_consts, lists, dropout_seed, options=plan.options)
 
 
-def _xla_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """``forward_with_residuals`` in XLA ops: the decode path for few queries, else the loops (or the band)."""
-    if _decode_reason(spec, q) is None:
-        from . import _decode
-        return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
-    return _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+def _self():
+    return sys.modules[__name__]
 
 
-def _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None):
-    """``forward_with_residuals`` in XLA ops: a loop over each q tile's kv tiles (or the band forward)."""
-    g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=False)
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """An XLA implementation with the plan's options, as the C++ primitive's other lowering calls it
+    (hashable: a primitive parameter)."""
+
+    run: Callable
+    options: tuple
+
+    def __call__(self, *args, **kwargs):
+        return self.run(*args, **kwargs, options=self.options)
+
+
+def _decode_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, *, options):
+    from . import _decode
+    return _decode.forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists)
+
+
+def _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, *, options):
+    """``forward_with_residuals`` in XLA ops: a loop over each q tile's kv tiles (or the band forward, where
+    ``options`` carry a band width)."""
+    g, band, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, options, backward=False)
     hkv = k.shape[2]
     skv_pad = max(g.nk * g.tk, band or 0)
     # Scaling q once (O(S*D)) instead of every (tq, tk) score tile saves a pass per tile.
@@ -583,29 +600,32 @@ def _loops_forward(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed
     return out, lse, Residuals(row_max, row_sum)
 
 
+# The XLA implementations of ``FORWARD`` by name ("band" is the loops' forward with a band width in its options).
+_FORWARDS = {"decode": _decode_forward, "band": _loops_forward, "loops": _loops_forward}
+
+
 def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
-             dropout_seed=None):
+             dropout_seed=None, plan=None):
     """dq, dk, dv and the gradients of the captured arrays flagged in ``grad_consts``; None
-    for the others.
+    for the others, by ``plan.backward_for(grad_consts)``.
 
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``: P is recomputed from the
     row max and log-sum, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
     """
-    name, _ = first_serving(BACKWARD, "xla backward", spec=spec, q=q, k=k, v=v, score_consts=score_consts,
-                            mask_consts=mask_consts, dropout_seed=dropout_seed, grad_consts=grad_consts)
-    if name == "cpu_kernel":  # dq, dk, dv as one fused C++ call (no gradients of captured arrays)
+    plan = planned(_self(), plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+    if plan.backward_for(grad_consts) == "cpu_kernel":  # dq, dk, dv as one fused C++ call
         from . import cpu
         dq, dk, dv = cpu.backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals,
-                                  _loops_backward)
+                                  _Bound(_loops_backward, plan.options))
         return dq, dk, dv, (None,) * len(score_consts)
     return _loops_backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts,
-                           residuals, dropout_seed)
+                           residuals, dropout_seed, options=plan.options)
 
 
 def _loops_backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, grad_consts, residuals,
-                    dropout_seed=None):
+                    dropout_seed=None, *, options):
     """``backward`` in XLA ops: a loop over kv tiles, each over its q tiles."""
-    g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
+    g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, options, backward=True)
     B, Sq, Hq, D = q.shape
     hkv = k.shape[2]
     sq_pad, skv_pad = g.nq * g.tq, g.nk * g.tk
@@ -738,7 +758,7 @@ def tangent(spec, q, k, v, out, residuals, score_consts, mask_consts, lists, tq,
       d out (B, Sq, Hq, Dv) and d lse (B, Hq, Sq), in the accumulation dtype.
     """
     del out
-    g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, backward=True)
+    g, _, coarse, b_sh, h_sh, b_ids, h_ids = _prepare(spec, q, k, lists, _resolve(spec), backward=True)
     B, Sq, Hq, _ = q.shape
     hkv = k.shape[2]
     sq_pad, skv_pad = g.nq * g.tq, g.nk * g.tk
