@@ -247,9 +247,10 @@ def validate(backend, spec) -> None:
 @contextlib.contextmanager
 def guarded(who: str, what: str = "check the call"):
     """The one rule for every "can you serve this" question (a backend's ``resolve``, an implementation's
-    ``supports``, a mod compiled to see whether it lowers): a ``NotImplementedError`` is a refusal and an ``InvalidOption``
-    the caller's, and both pass; any other exception is a flexjax bug, raised as a refusal that says so
-    and keeps it as its cause, so that ``backend=None`` moves on to the next backend instead of crashing."""
+    ``supports``, a mod compiled to see whether it lowers): a ``NotImplementedError`` is a refusal and an
+    ``InvalidOption`` the caller's, and both pass; any other exception is a flexjax bug, raised as a refusal
+    that says so and keeps it as its cause, so that ``backend=None`` moves on to the next backend instead
+    of crashing."""
     try:
         yield
     except (NotImplementedError, InvalidOption):
