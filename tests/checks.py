@@ -27,15 +27,16 @@ def _scale(x):
     return float(np.abs(x).max()) if x.size else 1.0
 
 
-def assert_close(name, got, truth, same_dtype_ref, dtype):
-    """err(got, truth) <= FUDGE * err(same_dtype_ref, truth) + RTOL[dtype] * scale(truth)."""
+def assert_close(name, got, truth, same_dtype_ref, dtype, rtol=None):
+    """err(got, truth) <= FUDGE * err(same_dtype_ref, truth) + rtol * scale(truth), ``rtol`` RTOL[dtype] by
+    default."""
     for (path, g), t, r in zip(
         jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(truth), jax.tree.leaves(same_dtype_ref)
     ):
         where = name + jax.tree_util.keystr(path)
         assert g.shape == t.shape, f"{where}: shape {g.shape} != {t.shape}"
         assert not np.isnan(np.asarray(jnp.asarray(g, jnp.float32))).any(), f"{where}: NaN"
-        tol = FUDGE * _err(r, t) + RTOL[dtype] * max(_scale(t), 1.0)
+        tol = FUDGE * _err(r, t) + (RTOL[dtype] if rtol is None else rtol) * max(_scale(t), 1.0)
         err = _err(g, t)
         assert err <= tol, f"{where}: max error {err:.3g} > tolerance {tol:.3g}"
 

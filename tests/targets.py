@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Any
 
 import jax.numpy as jnp
 import pytest
@@ -21,7 +22,12 @@ class Target:
       id: the test id.
       backend: the ``backend=`` name.
       options: kernel_options selecting the template (None: the host's default).
-      dtypes: the 16-bit dtypes it serves here (float32 always).
+      dtype: the dtype of the suite's checks (float32; a 16-bit one for a backend that takes no float32).
+      dtypes: the further 16-bit dtypes its catalog entries run in (``low_cases``).
+      head_dim: the head dim (and value head dim) every check's shape takes, for a backend that takes only
+        some (None: the shapes' own, 8 to 16).
+      max_len: for a target whose interpreter is slow, the longest sequence (and batch 1) of the checks'
+        shapes (None: the shapes' own, up to 250).
       tiles: kernel_options that split and regroup the BlockMask's blocks ({} where it takes no tiles).
       cases: the catalog entries of the default run (the whole catalog runs in its own files or slow).
       low_cases: the catalog entries run in each of ``dtypes``.
@@ -41,7 +47,10 @@ class Target:
     id: str
     backend: str
     options: dict | None = None
+    dtype: Any = jnp.float32
     dtypes: tuple = (jnp.bfloat16, jnp.float16)
+    head_dim: int | None = None
+    max_len: int | None = None
     tiles: dict = dataclasses.field(default_factory=dict)
     cases: tuple = ("causal+soft_cap", "sliding_window+alibi", "document+t5", "per_head_mask+relative_bias")
     low_cases: tuple = ("causal+soft_cap",)
@@ -55,6 +64,19 @@ class Target:
     paged: bool = True
     training: bool = False
     training_cost: str = "interpreted"
+
+    def shape_of(self, shape: tuple) -> tuple:
+        """(B, Sq, Skv, Hq, Hkv, D, Dv) with this target's head dim and longest sequence."""
+        B, Sq, Skv, Hq, Hkv, D, Dv = shape
+        if self.max_len is not None:
+            B, Sq, Skv = 1, min(Sq, self.max_len), min(Skv, self.max_len)
+        return (B, Sq, Skv, Hq, Hkv, *((D, Dv) if self.head_dim is None else (self.head_dim,) * 2))
+
+    def inputs(self, shape: tuple, seed: int = 0):
+        """q, k, v, dO of ``shape`` (with its head dim) in its dtype."""
+        from catalog import inputs
+
+        return inputs(self.shape_of(shape), self.dtype, seed)
 
     def kw(self, extra: dict | None = None) -> dict:
         options = {**(self.options or {}), **(extra or {})}
@@ -89,15 +111,27 @@ TARGETS = (
            cases=tuple(c.name for c in CATALOG), low_cases=tuple(c.name for c in CATALOG),
            shape=(1, 130, 200, 4, 2, 16, 8),  # batch 1: the interpreter runs every tile op in NumPy
            training=True, training_cost="compiled"),
+    # Mosaic GPU's interpreter (sm_90a's kernels): bfloat16 inputs, head dims of 64, sequences of at most
+    # 80 (at the suite's 192 x 192, batch 2, one check took 120 s); its catalog in both 16-bit dtypes and
+    # on both architectures: test_mosaic_gpu.py. Under its marker, make test-compile.
+    Target("mosaic_gpu", "mosaic_gpu", dtype=jnp.bfloat16, dtypes=(), head_dim=64, max_len=80,
+           marks=(pytest.mark.mosaic_gpu,), cases=("causal+soft_cap",), shape=(1, 70, 100, 4, 2, 64, 64),
+           gathers=False, paged=False),
 )
 _BF16 = _interpreter_bf16()
 TARGETS = tuple(dataclasses.replace(t, dtypes=_BF16) if t.id == "triton" else t for t in TARGETS)
 
 
 def marks_of(t: Target) -> list:
-    """The target's marks, and a skip naming the modules it needs that do not import here."""
+    """The target's marks, and a skip naming the modules it needs that do not import here (or the package its
+    backend says is missing)."""
     missing = [m for m in t.needs if importlib.util.find_spec(m) is None]
-    return list(t.marks) + ([pytest.mark.skip(reason=f"needs {', '.join(missing)}")] if missing else [])
+    if missing:
+        return list(t.marks) + [pytest.mark.skip(reason=f"needs {', '.join(missing)}")]
+    from flexjax.backends import get_backend
+
+    absent = getattr(get_backend(t.backend), "MISSING", None)  # a package its kernels import (mosaic_gpu)
+    return list(t.marks) + ([pytest.mark.skip(reason=absent)] if absent else [])
 
 
 def params(select=lambda t: True, values=None, slow=lambda t: False):
