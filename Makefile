@@ -90,7 +90,7 @@ test-compile: $(CSTAMP)
 	  --out tests_compile/last_table.md
 	$(CPY) tests_compile/decode_suite.py > tests_compile/last_decode_table.txt || (cat tests_compile/last_decode_table.txt; exit 1)
 	$(CPY) tests_compile/mosaic_gpu_suite.py --quick --out tests_compile/last_mosaic_gpu_table_jax010.md
-	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m 'triton or mosaic_gpu' tests
+	JAX_PLATFORMS=cpu $(CPY) -m pytest -q -n 2 -m '(triton or mosaic_gpu) and not slow' tests
 
 # The compile suites on the GPU machine's stack: Python 3.12, JAX 0.11.2 with jax-cuda13-plugin and CUDA
 # 13.0's ptxas, Triton 3.6 with jax-triton 0.3.1 (pyproject's `compile` extra on Python >= 3.12), in

@@ -134,15 +134,26 @@ def marks_of(t: Target) -> list:
     return list(t.marks) + ([pytest.mark.skip(reason=absent)] if absent else [])
 
 
-def params(select=lambda t: True, values=None, slow=lambda t: False):
+def params(select=lambda t: True, values=None, slow=lambda t: False, extra=lambda t: False):
     """pytest params over the targets ``select`` keeps, crossed with ``values`` when given;
-    those ``slow`` picks run under ``make test-all`` (the default suite's time budget)."""
+    those ``slow`` picks run under ``make test-all`` (the default suite's time budget), those ``extra``
+    picks under ``make test-extra`` (ci_extra)."""
     out = []
     for t in TARGETS:
         if not select(t):
             continue
-        marks = marks_of(t) + ([pytest.mark.slow] if slow(t) else [])
+        marks = marks_of(t) + ([pytest.mark.slow] if slow(t) else []) + ([pytest.mark.ci_extra] if extra(t) else [])
         for value, vid in (values(t) if values else [(None, None)]):
             args = (t,) if values is None else (t, value)
             out.append(pytest.param(*args, id=t.id if vid is None else f"{t.id}-{vid}", marks=marks))
     return out
+
+
+def budgeted(select, default=(), extra=(), values=None, marked: bool = True):
+    """``params`` over the targets ``select`` keeps, placed by a file's time budget: the ids in ``default``
+    run in make test, those in ``extra`` in make test-extra, a marked target (triton, mosaic_gpu) under its
+    marker (make test-compile; with ``marked=False`` in make test-all too), and every other in make
+    test-all. A new target joins each such file through its flags, in make test-all (or under its marker)
+    until a file names it."""
+    return params(select, values, slow=lambda t: (marked is False or not t.marks) and t.id not in (*default, *extra),
+                  extra=lambda t: t.id in extra)

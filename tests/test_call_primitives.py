@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from targets import budgeted
 
 import flexjax
 from flexjax import _analysis, _jaxpr, _modcompiler
@@ -118,9 +119,10 @@ def test_sharding_inliner_enters_transparent_calls():
     np.testing.assert_allclose(sharded._call(traced, (), *vals), score_mod(*vals), rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend,options", [pytest.param("xla", None, marks=pytest.mark.slow), ("pallas", None),
-                                             ("pallas", {"target": "tpu", "interpret": True})])
-def test_checkpointed_mods_match_the_reference(backend, options):
+# (every float32 target; xla in make test-all: make test's budget)
+@pytest.mark.parametrize("target", budgeted(lambda t: t.backend != "reference" and t.dtype == jnp.float32,
+                                            default=("pallas", "pallas_tpu")))
+def test_checkpointed_mods_match_the_reference(target):
     """A checkpointed mask_mod and score_mod, forward and backward."""
     S = 96
     key = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -136,7 +138,7 @@ def test_checkpointed_mods_match_the_reference(backend, options):
                                      kernel_options=options)
         return jnp.sum(out * out)
 
-    got = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slope, backend, options)
+    got = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slope, target.backend, target.options)
     want = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slope, "reference", None)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)

@@ -18,6 +18,7 @@ from catalog import SHAPES, check_case, inputs
 from checks import assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from targets import TARGETS, Target, budgeted
 
 import flexjax
 from flexjax import _modcompiler
@@ -25,27 +26,30 @@ from flexjax._trace import trace_mod
 from flexjax.backends.triton import _codegen as triton_codegen
 from flexjax.backends.xla.cpu import _codegen as cpu_codegen
 
-# (backend, kernel_options): every backend that runs on this host, kernels in interpret mode.
-BACKENDS = {
-    "xla": ("xla", None),
-    "xla_loops": ("xla", {"cpu_kernel": False}),
-    "pallas_gpu": ("pallas", None),
-    "pallas_tpu": ("pallas", {"target": "tpu", "interpret": True}),
-}
+# The registry's float32 targets (tests/targets.py; kernels in interpret mode), and the xla backend's XLA
+# loops beside its C++ kernel, which its target runs on CPU.
+XLA_LOOPS = Target("xla_loops", "xla", {"cpu_kernel": False})
+
+
+def _float32(t) -> bool:
+    return t.backend != "reference" and t.dtype == jnp.float32
+
+
+def _with_loops(budget: list, slow: bool = True) -> list:
+    return budget + [pytest.param(XLA_LOOPS, id=XLA_LOOPS.id, marks=pytest.mark.slow if slow else ())]
 
 
 # The xla backend runs these catalog entries in test_xla.py and test_cpu_kernel.py; the rest of
 # this grid runs under `make test-all` (the tests below cover every backend by default).
-@pytest.mark.parametrize("backend,name", [
-    ("pallas_gpu", "captured_scalars"),
-    pytest.param("pallas_tpu", "captured_scalars", marks=pytest.mark.slow),
-    pytest.param("pallas_gpu", "padding_zero_length", marks=pytest.mark.slow),
-    pytest.param("pallas_tpu", "padding_zero_length", marks=pytest.mark.slow),
+@pytest.mark.parametrize("target,name", [
+    *budgeted(lambda t: _float32(t) and t.backend != "xla", default=("pallas",),
+              values=lambda t: [("captured_scalars", "captured_scalars")]),
+    *budgeted(lambda t: _float32(t) and t.backend != "xla", values=lambda t: [("padding_zero_length",) * 2],
+              marked=False),
 ])
-def test_catalog_scalars(backend, name):
-    impl, options = BACKENDS[backend]
-    check_case(impl, name, (1, 100, 150, 2, 1, 16, 16) if backend == "pallas_gpu" else SHAPES["gqa_unequal"],
-               kernel_options=options)
+def test_catalog_scalars(target, name):
+    check_case(target.backend, name, (1, 100, 150, 2, 1, 16, 16) if target.id == "pallas" else SHAPES["gqa_unequal"],
+               kernel_options=target.options)
 
 
 def _scalar_attention(q, k, v, temp, shift, off, div, lim, flag, bias1, **kw):
@@ -73,23 +77,25 @@ def _scalars():
 # The kernel templates by default, one eagerly and one under jit (the xla backend runs the
 # catalog's captured_scalars entry in test_xla.py and test_cpu_kernel.py); every backend in
 # both modes under `make test-all`.
-_MODES = [(b, t) for b in BACKENDS for t in (False, True)]
 # (make test's budget: the GPU template under jit in make test-extra, the others in make test-all;
 # make test runs test_catalog_scalars.)
-_EXTRA_MODES = [("pallas_gpu", True)]
+_MODES = lambda t: [(False, "eager"), (True, "jit")]  # noqa: E731
 
 
-@pytest.mark.parametrize("backend,traced", [
-    pytest.param(b, t, id=f"{b}-{'jit' if t else 'eager'}",
-                 marks=pytest.mark.ci_extra if (b, t) in _EXTRA_MODES else pytest.mark.slow)
-    for b, t in _MODES])
-def test_scalars_forward_and_backward(backend, traced):
+@pytest.mark.parametrize("target,traced", [
+    *budgeted(lambda t: _float32(t) and t.id != "pallas", values=_MODES),
+    *[pytest.param(t, traced, id=f"{t.id}-{name}", marks=pytest.mark.ci_extra if traced else pytest.mark.slow)
+      for t in TARGETS if t.id == "pallas" for traced, name in _MODES(t)],
+    *[pytest.param(XLA_LOOPS, traced, id=f"{XLA_LOOPS.id}-{name}", marks=pytest.mark.slow)
+      for traced, name in _MODES(XLA_LOOPS)],
+])
+def test_scalars_forward_and_backward(target, traced):
     """Out, lse and the gradients to q, k, v and the float scalars, against the reference.
 
     ``jit``: the scalars are arguments of the jitted function, so the mods close over tracers
     and the BlockMask is built inside it.
     """
-    impl, options = BACKENDS[backend]
+    impl, options = target.backend, target.options
     q, k, v, do = inputs((1, 48, 48, 2, 1, 16, 16), jnp.float32)
     sc = _scalars()
     floats = {n: sc[n] for n in ("temp", "shift", "bias1")}
@@ -112,15 +118,14 @@ def test_scalars_forward_and_backward(backend, traced):
 
     got = run(impl, options)
     want = run("reference", None)
-    assert_close(f"scalars/{backend}", got, want, want, jnp.float32)
+    assert_close(f"scalars/{target.id}", got, want, want, jnp.float32)
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=() if b.startswith("pallas") else pytest.mark.slow)
-                                     for b in BACKENDS])
-def test_mods_that_return_a_captured_scalar(backend):
+@pytest.mark.parametrize("target", _with_loops(budgeted(_float32, default=("pallas", "pallas_tpu"))))
+def test_mods_that_return_a_captured_scalar(target):
     """A score_mod returning a captured float (uniform attention) and a mask_mod returning a
     captured bool: the mod's output is the captured array itself."""
-    impl, options = BACKENDS[backend]
+    impl, options = target.backend, target.options
     q, k, v, _ = inputs((1, 40, 40, 2, 2, 16, 16), jnp.float32)
     const, allow = jnp.float32(0.25), jnp.bool_(True)
     bm = flexjax.create_block_mask(lambda b, h, q_idx, kv_idx: allow, None, None, 40, 40, block_size=16)
@@ -390,12 +395,11 @@ def _scalar_mods():
     return score_mod, mask_mod
 
 
-# Both in make test-all (make test's budget): sinks, dropout and jax.jvp each have default tests
+# In make test-all (make test's budget): sinks, dropout and jax.jvp each have default tests
 # (test_training_features.py), and captured scalars test_scalars_forward_and_backward.
-@pytest.mark.parametrize("backend", [pytest.param("pallas_gpu", marks=pytest.mark.slow),
-                                     pytest.param("xla", marks=pytest.mark.slow)])
-def test_scalars_with_sinks_dropout_and_jvp(backend):
-    impl, options = BACKENDS[backend]
+@pytest.mark.parametrize("target", budgeted(lambda t: _float32(t) and t.id != "pallas_tpu", marked=False))
+def test_scalars_with_sinks_dropout_and_jvp(target):
+    impl, options = target.backend, target.options
     q, k, v, _ = inputs((1, 64, 64, 2, 2, 16, 16), jnp.float32)
     score_mod, mask_mod = _scalar_mods()
     bm = flexjax.create_block_mask(mask_mod, None, None, 64, 64, block_size=32)
@@ -415,11 +419,11 @@ def test_scalars_with_sinks_dropout_and_jvp(backend):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["pallas_gpu", "xla"])
-def test_scalars_in_decode_and_paged_calls(backend):
+@pytest.mark.parametrize("target", budgeted(lambda t: _float32(t) and t.paged and t.id != "pallas_tpu",
+                                            marked=False))
+def test_scalars_in_decode_and_paged_calls(target):
     """One query row (the decode kernels) over a contiguous and a paged cache."""
-    impl, options = BACKENDS[backend]
+    impl, options = target.backend, target.options
     B, S, page = 2, 64, 16
     q, k, v, _ = inputs((B, 1, S, 4, 2, 16, 16), jnp.float32)
     score_mod, _ = _scalar_mods()

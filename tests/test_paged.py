@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import assert_close
+from targets import budgeted
 
 import flexjax
 from flexjax import masks, paged
@@ -90,11 +91,10 @@ def test_paged_matches_gathered_cache(sq, xla_path, monkeypatch):
         assert_close("paged pallas", (got, g_got), (truth, g_truth), (truth, g_truth), jnp.float32)
 
 
-# pallas in make test-all, xla in make test-extra (make test's budget): sinks and aux go through the shared
-# epilogue.
-@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.ci_extra),
-                                     pytest.param("pallas", marks=pytest.mark.slow)])
-def test_sinks_and_aux_lse(backend):
+# xla in make test-extra, the others in make test-all (make test's budget): sinks and aux go through the
+# shared epilogue.
+@pytest.mark.parametrize("target", budgeted(lambda t: t.paged, extra=("xla",)))
+def test_sinks_and_aux_lse(target):
     """Attention sinks and AuxRequest(lse=True) through the page table: forward, lse and the
     gradients of q, the pools and the sinks equal flex_attention on the gathered cache, on
     both paged backends (pallas in interpret mode); max_scores equals flex_attention's."""
@@ -104,7 +104,7 @@ def test_sinks_and_aux_lse(backend):
 
     def paged_loss(q, k_pages, v_pages, sinks):
         out, aux = paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=sinks,
-                                        return_aux=flexjax.AuxRequest(lse=True), backend=backend)
+                                        return_aux=flexjax.AuxRequest(lse=True), **target.kw())
         return jnp.sum(out * do) + 0.1 * jnp.sum(aux.lse), (out, aux.lse)
 
     def ref_loss(q, k_pages, v_pages, sinks):
@@ -122,7 +122,7 @@ def test_sinks_and_aux_lse(backend):
     # max_scores: each row's max over the sequence's valid keys, as flex_attention's on the gathered cache.
     both = flexjax.AuxRequest(lse=True, max_scores=True)
     _, aux = paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, return_aux=both,
-                                  backend=backend)
+                                  **target.kw())
     full = flexjax.create_block_mask(flexjax.and_masks(masks.causal_bottom_right(1, lengths), masks.padding(lengths)),
                                      B, None, 1, KV_LEN, block_size=(16, 32))
     _, want_aux = flexjax.flex_attention(q, paged.gather(k_pages, table), paged.gather(v_pages, table),
@@ -134,8 +134,8 @@ def test_sinks_and_aux_lse(backend):
         paged.flex_attention(q, k_pages, v_pages, table, lengths, block_mask=bm, sinks=jnp.zeros(HQ + 1))
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_jvp_matches_the_gathered_cache(backend):
+@pytest.mark.parametrize("target", budgeted(lambda t: t.paged, default=("xla", "pallas")))
+def test_jvp_matches_the_gathered_cache(target):
     """jax.jvp through the page table (q, the pools and a captured ALiBi table perturbed) equals
     jax.jvp of flex_attention on the gathered cache; out and lse tangents, on both paged
     backends (pallas in interpret mode)."""
@@ -146,7 +146,7 @@ def test_jvp_matches_the_gathered_cache(backend):
 
     def paged_f(q, k_pages, v_pages, slopes):
         return paged.flex_attention(q, k_pages, v_pages, table, lengths, _alibi(slopes), bm, return_lse=True,
-                                    backend=backend)
+                                    **target.kw())
 
     def ref_f(q, k_pages, v_pages, slopes):
         return flexjax.flex_attention(q, paged.gather(k_pages, table), paged.gather(v_pages, table), _alibi(slopes),

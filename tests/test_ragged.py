@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import assert_close
+from targets import budgeted
 
 import flexjax
 from flexjax import masks, paged
@@ -100,10 +101,9 @@ def test_ragged_matches_per_sequence(backend, mask_name, dtype):
     assert bool(jnp.all(jnp.isneginf(aux.lse[:, cu[-1]:])))
 
 
-# (make test's budget: xla in make test-extra, pallas in make test-all.)
-@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.ci_extra),
-                                     pytest.param("pallas", marks=pytest.mark.slow)])
-def test_ragged_gradients(backend):
+# (make test's budget: xla in make test-extra, the others in make test-all.)
+@pytest.mark.parametrize("target", budgeted(lambda t: t.paged, extra=("xla",)))
+def test_ragged_gradients(target):
     """Gradients to the query and to the captured ALiBi slopes equal the per-sequence reference's."""
     cu, table, k_pages, v_pages, q, slopes = _setup()
     do = jax.random.normal(jax.random.key(7), q.shape)
@@ -111,7 +111,7 @@ def test_ragged_gradients(backend):
 
     def loss_ragged(q, slopes):
         o = paged.flex_attention_ragged(q, k_pages, v_pages, table, KV_LENS, cu, score_mod=_alibi(slopes),
-                                        mask_mod=_window, backend=backend)
+                                        mask_mod=_window, **target.kw())
         return jnp.sum(jnp.where(live, o * do, 0.0))
 
     def loss_ref(q, slopes):
@@ -170,10 +170,9 @@ def test_ragged_one_compile_for_changing_mixes():
     assert step._cache_size() == 1
 
 
-# (make test's budget: xla in make test-extra, pallas in make test-all.)
-@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.ci_extra),
-                                     pytest.param("pallas", marks=pytest.mark.slow)])
-def test_write_and_attend_equals_write_then_attend(backend):
+# (make test's budget: xla in make test-extra, the others in make test-all.)
+@pytest.mark.parametrize("target", budgeted(lambda t: t.paged, extra=("xla",)))
+def test_write_and_attend_equals_write_then_attend(target):
     """The fused call writes each new token at its logical position (dropping a token past
     the sequence's pages and padding rows) and attends over the written pages."""
     cu, table, k_pages, v_pages, q, slopes = _setup()
@@ -184,15 +183,15 @@ def test_write_and_attend_equals_write_then_attend(backend):
     # Sequence 1 loses its only page: its length then reaches an unassigned page, which the call refuses
     # (when the step runs) rather than read some page. Its token is dropped, not written elsewhere.
     table = table.at[1].set(-1)
-    fused = jax.jit(functools.partial(paged.write_and_attend, backend=backend))
+    fused = jax.jit(functools.partial(paged.write_and_attend, **target.kw()))
     with pytest.raises(Exception, match=r"page_table\[1, 0\] = -1 is unassigned"):
         jax.block_until_ready(fused(q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu))
     previous = paged.set_runtime_checks(False)  # the rest compares the write itself, unchecked
     try:
-        out, k2, v2 = jax.jit(functools.partial(paged.write_and_attend, backend=backend))(
+        out, k2, v2 = jax.jit(functools.partial(paged.write_and_attend, **target.kw()))(
             q, k_new, v_new, k_pages, v_pages, table, KV_LENS, cu)
         # The same through flex_attention_ragged's k_new / v_new.
-        out2, k3, v3 = jax.jit(functools.partial(paged.flex_attention_ragged, backend=backend))(
+        out2, k3, v3 = jax.jit(functools.partial(paged.flex_attention_ragged, **target.kw()))(
             q, k_pages, v_pages, table, KV_LENS, cu, k_new=k_new, v_new=v_new)
     finally:
         paged.set_runtime_checks(previous)
@@ -209,7 +208,7 @@ def test_write_and_attend_equals_write_then_attend(backend):
     np.testing.assert_allclose(np.asarray(out2), np.asarray(out), rtol=1e-5, atol=1e-6)
     keep = np.ones(len(KV_LENS), bool)
     keep[1] = False
-    want = paged.flex_attention_ragged(q, k_ref, v_ref, jnp.maximum(table, 0), KV_LENS, cu, backend=backend)
+    want = paged.flex_attention_ragged(q, k_ref, v_ref, jnp.maximum(table, 0), KV_LENS, cu, **target.kw())
     for i in np.nonzero(keep)[0]:
         np.testing.assert_allclose(np.asarray(out[cu[i]:cu[i + 1]]), np.asarray(want[cu[i]:cu[i + 1]]),
                                    rtol=1e-5, atol=1e-6)
@@ -254,9 +253,8 @@ def test_tree_mask_dense():
 
 
 # (make test's budget: test_tree_mask_dense checks the mask by default; these in make test-all.)
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_speculative_tree_verify(backend):
+@pytest.mark.parametrize("target", budgeted(lambda t: t.paged, marked=False))
+def test_speculative_tree_verify(target):
     """Verifying draft trees in a ragged call: each sequence's new tokens are its tree's nodes
     (a (num_seqs, n) parent array, traced), b picks the sequence's tree; equal to the
     per-sequence reference. A 40-node tree needs two ancestor words per node."""
@@ -272,7 +270,7 @@ def test_speculative_tree_verify(backend):
     q = jax.random.normal(jax.random.key(11), (int(cu[-1]), HQ, D))
     verify = jax.jit(lambda q, parents, kv: paged.flex_attention_ragged(
         q, k_pages, v_pages, table, kv, cu, score_mod=_alibi(slopes),
-        mask_mod=masks.tree(parents, kv - q_lens), backend=backend))
+        mask_mod=masks.tree(parents, kv - q_lens), **target.kw()))
     got = verify(q, parents, kv)
     truth, _ = _per_sequence(q, k_pages, v_pages, table, kv, cu, _alibi(slopes), masks.tree(parents, kv - q_lens))
     assert_close("tree", got, truth, truth, jnp.float32)
