@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import assert_close, dense_f64
+from targets import budgeted
 
 import flexjax
 from flexjax import BlockMask, masks, paged
@@ -140,12 +141,13 @@ def test_matches_dense_attention_with_the_implied_mask(name, backend):
 _COARSE = {"block_q": 64, "block_kv": 64, "bwd_block_q": 64, "bwd_block_kv": 64}
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.ci_extra)])
-def test_tiles_coarser_than_the_blocks(backend):
+@pytest.mark.parametrize("target", budgeted(lambda t: t.dtype == jnp.float32 and t.tiles, default=("xla",),
+                                            extra=("pallas",)))
+def test_tiles_coarser_than_the_blocks(target):
     bm, allowed, (q, k, v, do) = _case("causal_full_padded", seed=1)
     truth = dense_f64(q, k, v, do, allowed)
-    got = _out_and_grads(bm, q, k, v, do, backend, _COARSE)
-    assert_close(f"coarse/{backend}", got, truth, truth, jnp.float32)
+    got = _out_and_grads(bm, q, k, v, do, target.backend, {**(target.options or {}), **_COARSE})
+    assert_close(f"coarse/{target.id}", got, truth, truth, jnp.float32)
 
 
 def test_states_duplicates_and_overlap():

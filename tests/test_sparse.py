@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import dense_f64
+from targets import budgeted
 
 import flexjax
 from flexjax import masks, sparse
@@ -269,9 +270,9 @@ def test_nsa_gqa_group_heads_choose_the_same_blocks():
 # -- attention over the chosen blocks, end to end --------------------------------------------------
 
 def _backends():
-    return [pytest.param("xla", None, id="xla"),
-            pytest.param("reference", None, id="reference", marks=pytest.mark.ci_extra),
-            pytest.param("pallas", None, id="pallas", marks=pytest.mark.ci_extra)]  # (make test's budget)
+    """The registry's float32 targets: xla in make test, the reference and pallas in make test-extra (make test's
+    budget), the rest in make test-all or under their marker."""
+    return budgeted(lambda t: t.dtype == jnp.float32, default=("xla",), extra=("reference", "pallas"))
 
 
 E2E = [  # id, (B, Sq, Skv, Hq, Hkv, D), block, k
@@ -300,13 +301,13 @@ def case_scores(case, q, k):
     return sparse.nsa_scores(q, k, block_size=block, compress_size=32, stride=16), True
 
 
-@pytest.mark.parametrize("backend,options", _backends())
+@pytest.mark.parametrize("target", _backends())
 @pytest.mark.parametrize("case", E2E, ids=[c[0] for c in E2E])
-def test_attention_over_chosen_blocks_matches_dense_float64(case, backend, options):
+def test_attention_over_chosen_blocks_matches_dense_float64(case, target):
     name, shape, block, kk = case
     q, k, v, do = qkv(shape, seed=5)
     bq, bkv = (block, block) if isinstance(block, int) else block
-    kw = {"backend": backend, **({"kernel_options": options} if options else {})}
+    kw, backend = target.kw(), target.id
 
     @jax.jit
     def run(q, k, v, do):
