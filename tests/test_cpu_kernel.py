@@ -294,6 +294,7 @@ def test_decode_tiles_pack_gqa_heads(sq, monkeypatch):
     assert packed and all(packed), "no packed mod variant was built"
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: 4-8 s here; make test reached 5:05)
 def test_decode_splits_the_kv_range():
     """One sequence and one kv head: the tile list is split into shares run in parallel and
     merged by their row maxima; shares where a head has no allowed key (its score_mod gives

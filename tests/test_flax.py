@@ -166,6 +166,7 @@ def test_flex_layers_under_scan():
     np.testing.assert_allclose(got, want, atol=5e-5)
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: 4-8 s here; make test reached 5:05)
 def test_flex_layer_decode_matches_the_full_forward():
     layer, x = _layer(), _x()
     full = layer(x)
@@ -252,6 +253,7 @@ def test_flex_layer_paged_cache_shares_its_pool_and_raises_past_it():
         _layer(num_sinks=-1)
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: 4-8 s here; make test reached 5:05)
 @pytest.mark.parametrize("paging", [{}, {"page_size": 8}], ids=["contiguous", "paged"])
 def test_flex_layer_bfloat16_cache_is_written_in_place_on_cpu(paging):
     """A bfloat16 decode cache on CPU is held as its uint16 bits (``cache_dtype`` says bfloat16): XLA:CPU

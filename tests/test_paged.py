@@ -533,6 +533,7 @@ def test_reserve_and_release_serve_growing_sequences():
         paged.reserve(table, free, jnp.zeros(3, jnp.int32), ps)
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: 4-8 s here; make test reached 5:05)
 def test_paged_backward_reads_pages_through_the_table():
     """jax.grad of a paged call forms no logical cache: no value of its jaxpr (the backward's
     included) has an axis of max_pages * page_size positions; its gradients still equal those

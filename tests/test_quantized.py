@@ -177,6 +177,7 @@ def test_quantized_bad_input():
         paged.quantize(k, "int4")
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: 4-8 s here; make test reached 5:05)
 def test_write_quantized_prefill_spanning_pages():
     """A prefill written into an int8 pool with per-page scales: 37 tokens from the middle of
     a page on (3 pages), larger than the pool's values: every page written gets a scale that
