@@ -79,6 +79,7 @@ def test_paged_and_ragged_calls_name_a_kernel_backend_off_cpu(page):
             assert tpu.backend == "xla" and "multiple of 128" in tpu.skipped_backends[0][1]
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: about 4 s here; make test reached 5:12)
 def test_paged_explain_is_what_runs_and_a_named_backend_is_kept():
     """On this host paged.explain names the backend the call then runs; a named backend that has no paged path
     is refused; kernel_options no backend the platform tries takes are refused, naming the backend."""

@@ -427,6 +427,7 @@ def test_sparse_layer_matches_by_hand_compiles_once_and_trains(kind):
     assert ("gate" in nnx.state(layer, nnx.Param)) == (kind == "nsa")
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: about 4 s here; make test reached 5:12)
 def test_sparse_layer_with_every_block_is_dense_causal_and_refusals():
     """top_k at least the number of kv blocks chooses every causal block (top_k is capped): the dense causal
     layer's output. Bad configurations name their field; the decode cache and a block_mask are refused."""

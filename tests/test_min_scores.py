@@ -34,6 +34,7 @@ def _alibi(slope):
     return mod
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: about 4 s here; make test reached 5:12)
 def test_paged_min_scores():
     k_pages, v_pages, key = _pools()
     B, max_pages = 2, 4

@@ -267,6 +267,7 @@ def test_flexjax_flex_attention_is_sharded():
     _assert_close(out, flexjax.flex_attention(q, k, v, backend="reference"), "out")
 
 
+@pytest.mark.ci_extra  # (make test's 5-minute budget: about 4 s here; make test reached 5:12)
 def test_mods_with_nested_jit_custom_jvp_and_constants_under_set_mesh():
     """Mods traced under jax.set_mesh (nested jits, custom_jvp, mesh-placed constants) run per shard."""
     q, k, v, *_ = _inputs(H)
