@@ -183,14 +183,14 @@ class Explanation:
     def __str__(self) -> str:
         lines = [f"backend {self.backend!r}: forward {self.forward!r}, backward {self.backward!r}"]
         plan = self.plan
-        if plan is not None and plan.backward_qkv != plan.backward:
-            lines.append(f"  backward for gradients of q, k and v alone: {plan.backward_qkv!r}")
-        for kind, fallback in (("forward", getattr(plan, "forward_fallback", None)),
-                               ("backward", getattr(plan, "backward_fallback", None))):
-            if fallback is not None:
-                lines.append(f"  {kind} lowered as {fallback!r} where the kernel cannot be called (jax.export)")
-        if plan is not None and plan.options is not None:
-            lines.append(f"  options: {plan.options}")
+        if plan is not None:
+            if plan.backward_qkv != plan.backward:
+                lines.append(f"  backward for gradients of q, k and v alone: {plan.backward_qkv!r}")
+            for kind, fallback in (("forward", plan.forward_fallback), ("backward", plan.backward_fallback)):
+                if fallback is not None:
+                    lines.append(f"  {kind} lowered as {fallback!r} where the kernel cannot be called (jax.export)")
+            if plan.options is not None:
+                lines.append(f"  options: {plan.options}")
         for kind, skipped in (("backend", self.skipped_backends), ("forward", self.skipped_forward),
                               ("backward", self.skipped_backward)):
             lines += [f"  skipped {kind} {name!r}: {reason}" for name, reason in skipped]

@@ -545,16 +545,12 @@ def _prepare(spec, q, k, lists, options, backward: bool):
 
 def forward_with_residuals(spec, q, k, v, score_consts, mask_consts, lists, dropout_seed=None, plan=None):
     """out, lse and, for the backward, each row's ``Residuals`` (B, Hq, Sq), by ``plan.forward``."""
-    plan = planned(_self(), plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+    plan = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
     if plan.forward == "cpu_kernel":
         from . import cpu
         return cpu.forward(spec, q, k, v, score_consts, mask_consts, lists,
                            _Bound(_FORWARDS[plan.forward_fallback], plan.options))
     return _FORWARDS[plan.forward](spec, q, k, v, score_consts, mask_consts, lists, dropout_seed, options=plan.options)
-
-
-def _self():
-    return sys.modules[__name__]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,7 +608,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     ``residuals``: the ``Residuals`` of ``forward_with_residuals``: P is recomputed from the
     row max and log-sum, since lse alone loses the log-sum on rows whose scores are huge in magnitude.
     """
-    plan = planned(_self(), plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
+    plan = planned(sys.modules[__name__], plan, spec, q, k, v, score_consts, mask_consts, lists, dropout_seed)
     if plan.backward_for(grad_consts) == "cpu_kernel":  # dq, dk, dv as one fused C++ call
         from . import cpu
         dq, dk, dv = cpu.backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lists, residuals,
