@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from ptx_shape import TENSOR_CORE_OPS, tensor_core_ops  # noqa: E402
+from ptx_shape import TENSOR_CORE_OPS, bare_ex2, fa3_shape, hlo_transposes, tensor_core_ops, wgmma_forms  # noqa: E402
 
 # (B, S, Hq, Hkv)
 HEADS = {"mha": (1, 1024, 2, 2), "gqa": (1, 1024, 4, 2)}
@@ -50,6 +50,8 @@ ARCHS = (("sm_90a", "h100_target_config.txtpb", 90), ("sm_100a", "b200_target_co
 DTYPES = ("bfloat16", "float16")
 BLOCK_SIZE = 128
 REG_LIMIT = {"fwd": 65536 // 384, "dq": 65536 // 384, "dkv": 255}
+# Rows per consumer warpgroup (wgmma's M on sm_90a, tcgen05's on sm_100a).
+R_OF = {"sm_90a": 64, "sm_100a": 128}
 KERNELS = ("flexjax_mgpu_fwd", "flexjax_mgpu_dq", "flexjax_mgpu_dkv")
 # Spill bytes per thread (stores or loads) a kernel may have: none anywhere. (The sm_90a dK/dV
 # kernel at D = 128 spilled 8-52 B per thread while its accumulating wgmmas wrote fresh
@@ -94,9 +96,10 @@ def _compile(f, args, mesh, dump_dir):
 
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump_dir
     with jax.set_mesh(mesh):
-        jax.jit(f).trace(*args).lower().compile()
+        compiled = jax.jit(f).trace(*args).lower().compile()
     text = "".join(open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))))
     report = _parse_ptxas(text)
+    report["hlo_transposes"] = hlo_transposes(compiled.as_text())
     # Which tensor-core instructions each kernel's PTX holds (the dump names kernels "<name>_<n>.ptx").
     for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
         ptx = open(path).read()
@@ -105,7 +108,24 @@ def _compile(f, args, mesh, dump_dir):
         for name, res in report.items():
             if name.startswith(kernel):
                 res["ptx_ops"] = sorted(found)
+                forms = wgmma_forms(ptx)
+                res["score_n"] = min((n for n, reg in forms if not reg), default=None)
+                res["register_a"] = sum(reg for _, reg in forms)
+                res["bare_ex2"] = bare_ex2(ptx)
+                res["fa3"] = ptx  # judged in _compile_config, then dropped
     return report
+
+
+def score_n_floor(kernel: str, D: int, dropout: bool) -> int:
+    """The least N of an sm_90a kernel's score wgmmas (``ptx_shape.fa3_shape``): FlashAttention-3's 128
+    keys in the forward and 64 in the backward's S and dP, except where the heuristics (``mosaic_gpu.
+    heuristics``) keep narrower tiles because the wider ones spilled: the forward with dropout at
+    head dim 128 (64 keys: 240 B spilled at 128), dK/dV at head dim 128 (32 queries: 8-160 B)."""
+    if kernel == "fwd":
+        return 64 if dropout and D > 64 else 128
+    if kernel == "dkv" and D > 64:
+        return 32
+    return 64
 
 
 # The tensor-core instructions (``ptx_shape.TENSOR_CORE_OPS``) that say which kernel ptxas got.
@@ -129,11 +149,11 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
     grads = catalog_target.grads(lambda q, k, v, params: attention(
         q, k, v, params, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": cc}, **drop))
     shapes = catalog_target.abstract_args(B, S, Hq, Hkv, D, dtype, sh, params)
-    o = heuristics(cc)
+    o = heuristics(cc, D, dropout)
     unit = _mma.for_capability(cc, False)
-    smem = {**_kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, rows=unit.rows),
+    smem = {**_kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, unit),
             **{k: v for k, v in _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages,
-                                                    rows=unit.rows).items() if k != "fwd"}}
+                                                    unit).items() if k != "fwd"}}
     tmem = _kernels.tmem_columns(D, o.block_kv, o.bwd_block_kv, o.bwd_block_q) if arch == "sm_100a" else {}
     row = {"case": name + ("+dropout" if dropout else ""), "head_dim": D, "dtype": dtype_name, "heads": heads,
            "arch": arch,
@@ -151,9 +171,20 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             row["error"] = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
     row["seconds"] = round(time.perf_counter() - t0, 1)
     problems = []
+    row["hlo_transposes"] = report.pop("hlo_transposes", [])
+    if row["status"] == "ok" and row["hlo_transposes"]:
+        problems.append(f"XLA transposes of 4-D operands around the kernels: {row['hlo_transposes']}")
     for short, kernel in zip(("fwd", "dq", "dkv"), KERNELS):
         found = [v for k, v in report.items() if k.startswith(kernel)]
         res = found[0] if found else None
+        ptx = res.pop("fa3", "") if res else ""
+        if res is not None and row["status"] == "ok":
+            # Every kernel's softmax exponent is a bare ex2.approx: at least one per element of a tile.
+            tile = (R_OF[arch] * {"fwd": o.block_kv, "dq": o.bwd_block_kv, "dkv": o.bwd_block_q}[short]) // 128
+            if arch == "sm_90a":
+                problems += fa3_shape(short, ptx, qk_n=score_n_floor(short, D, dropout), min_bare_ex2=tile)
+            elif res["bare_ex2"] < tile:
+                problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
         row[short] = {**(res or {}), "smem": smem[short], **({"tmem": tmem[short]} if tmem else {})}
         if row["status"] != "ok":
             continue
@@ -235,25 +266,29 @@ def _each_arch(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write("# mosaic_gpu kernels compiled for sm_90a and sm_100a (tests_compile/mosaic_gpu_suite.py)\n\n")
-            f.write("Warpgroups per CTA: forward and dQ, 1 producer (TMA; setmaxnreg 40) + 2 consumers (setmaxnreg "
-                    "232) of 64 query rows each on sm_90a (wgmma, accumulators in registers), 128 on sm_100a "
+            f.write("Warpgroups per CTA: forward and dQ, 1 producer (TMA; setmaxnreg 24) + 2 consumers (setmaxnreg "
+                    "240) of 64 query rows each on sm_90a (wgmma, accumulators in registers), 128 on sm_100a "
                     "(tcgen05, accumulators in tensor memory); dK/dV, 1 producer + 1 consumer (64 / 128 key rows). "
-                    "Registers: ptxas' count per thread (at most 168 for 384 threads, 255 for 256). Spill: bytes "
-                    "stored per thread. Shared memory: the kernels' tiles (`_kernels.smem_bytes`). TMEM: "
-                    "tensor-memory columns of the sm_100a kernels (`_kernels.tmem_columns`, of 512).\n\n")
-            f.write("| arch | case | D | dtype | heads | warpgroups (fwd, dQ, dK/dV: producer + consumers x rows) | "
-                    "status | fwd regs / spill / smem KiB [/ TMEM cols] | dQ | dK/dV | s |\n")
+                    "Per kernel: registers (ptxas' count per thread: at most 168 for 384 threads, 255 for 256) / "
+                    "spill (bytes stored per thread) / shared memory KiB (`_kernels.smem_bytes`) [/ TMEM columns "
+                    "of the sm_100a kernels, of 512]; then, from the PTX: the score MMA's N (sm_90a: the least N "
+                    "of the wgmmas that read A from shared memory: Q K^T, S, dP, S^T, dP^T) / register-A wgmmas / "
+                    "bare `ex2.approx` exponents (not libdevice's range-reduced expf). XLA transposes: 4-D "
+                    "transposes in the optimized HLO around the kernels.\n\n")
+            f.write("| arch | case | D | dtype | heads | status | fwd: regs / spill / smem [/ TMEM] / score N / "
+                    "reg-A / ex2 | dQ | dK/dV | XLA transposes | s |\n")
             f.write("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
             for r in rows:
                 cells = []
                 for k in ("fwd", "dq", "dkv"):
                     x = r[k]
                     cell = f"{x.get('registers')} / {x.get('spill_stores', '-')} / {x['smem'] // 1024}"
-                    cells.append(cell + (f" / {x['tmem']}" if "tmem" in x else ""))
+                    cell += f" / {x['tmem']}" if "tmem" in x else ""
+                    cell += f" / {x.get('score_n', '-')} / {x.get('register_a', '-')} / {x.get('bare_ex2', '-')}"
+                    cells.append(cell)
                 status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
-                f.write(f"| {r['arch']} | {r['case']} | {r['head_dim']} | {r['dtype']} | {r['heads']} | "
-                        f"{r['warpgroups']} | {status} | "
-                        + " | ".join(cells) + f" | {r['seconds']} |\n")
+                f.write(f"| {r['arch']} | {r['case']} | {r['head_dim']} | {r['dtype']} | {r['heads']} | {status} | "
+                        + " | ".join(cells) + f" | {len(r.get('hlo_transposes', []))} | {r['seconds']} |\n")
     print(f"mosaic_gpu suite: {len(rows)} configurations, {failures} failing", flush=True)
     return 1 if failures else 0
 

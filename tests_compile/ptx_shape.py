@@ -100,3 +100,55 @@ def hopper_exempt(row, kind: str) -> bool:
     TRITON_SM90[(2, 256)]); the forward is checked as every other."""
     return (kind in ("dq", "dkv") and row["head_dim"] == 256
             and bool(row["kernels"].get("dq", {}).get("scatter")))
+
+
+# -- the FlashAttention-3 shape of the mosaic_gpu kernels (issue 44) --------------------------------
+
+# A wgmma's instruction (its N in the shape) and what follows its accumulator: a second register
+# list is the register-A form (A in registers), a descriptor the shared-memory form.
+_WGMMA_FORM = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k\d+\.\S+\s*\{[^}]*\}\s*,\s*(\{?)")
+# libdevice's expf (the precise exponent): a range reduction with one ``fma.rm.f32`` before its
+# ``ex2.approx.ftz.f32``. A bare ``ex2.approx`` (``exp2(approx=True)``) has none.
+_EX2 = re.compile(r"^\s*ex2\.approx\.ftz\.f32", re.M)
+_EXPF = re.compile(r"^\s*fma\.rm\.f32", re.M)
+
+
+def wgmma_forms(ptx: str) -> list[tuple[int, bool]]:
+    """(N, register_a) of each ``wgmma.mma_async`` in a PTX, in order."""
+    return [(int(n), bool(brace)) for n, brace in _WGMMA_FORM.findall(ptx)]
+
+
+def bare_ex2(ptx: str) -> int:
+    """How many ``ex2.approx.ftz.f32`` are bare exponents, not the core of a precise ``expf``."""
+    return len(_EX2.findall(ptx)) - len(_EXPF.findall(ptx))
+
+
+_HLO_TRANSPOSE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*\w+\[([\d,]*)\]\S*\s+transpose\(", re.M)
+
+
+def hlo_transposes(hlo: str, rank: int = 4) -> list[str]:
+    """The shapes of an optimized HLO's ``transpose`` instructions of ``rank`` dimensions: around the
+    attention kernels, a copy of a (batch, seq, heads, head_dim) operand."""
+    return [shape for shape in _HLO_TRANSPOSE.findall(hlo) if shape.count(",") == rank - 1]
+
+
+def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int) -> list[str]:
+    """What keeps an sm_90a mosaic_gpu kernel's PTX from FlashAttention-3's shape.
+
+    ``kind``: "fwd", "dq" or "dkv". ``qk_n``: the least N its score products (Q K^T in the forward,
+    S and dP in dQ, S^T and dP^T in dK/dV: the wgmmas that read A from shared memory) must have.
+    Each kernel needs at least one register-A wgmma (P·V, dS·K, P^T·dO and dS^T·Q take A from
+    registers) and ``min_bare_ex2`` bare ``ex2.approx`` exponents (a tile's elements per thread)."""
+    forms = wgmma_forms(ptx)
+    fails = []
+    smem_a = [n for n, reg in forms if not reg]
+    if not smem_a:
+        fails.append(f"{kind}: no shared-memory-A wgmma (the score product)")
+    elif min(smem_a) < qk_n:
+        fails.append(f"{kind}: score wgmma N = {min(smem_a)} < {qk_n}")
+    if not any(reg for _, reg in forms):
+        fails.append(f"{kind}: no register-A wgmma")
+    if bare_ex2(ptx) < min_bare_ex2:
+        fails.append(f"{kind}: {bare_ex2(ptx)} bare ex2.approx < {min_bare_ex2} (the softmax's exponent is not "
+                     "exp2(approx))")
+    return fails

@@ -110,30 +110,36 @@ def _host_target() -> str | None:
     return "cuda" if current_platform() in ("gpu", "cuda") else None
 
 
-def heuristics(compute_capability: int = 90) -> KernelOptions:
-    """Default tiles (the same for every head dim and BlockMask block: ``_tile_reason`` checks that they fit
-    the block). sm_90a: 128 query rows per CTA, 64 keys per step (at 128 keys the forward's
-    (64, 128) float32 score tile pushed ptxas past the 168 registers a thread of a
-    three-warpgroup CTA has: 8-44 B spilled per thread on sm_90a at D = 64 and 128).
+def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool = False) -> KernelOptions:
+    """Default tiles (``_tile_reason`` checks that they fit the BlockMask's block), chosen from the compile
+    suite's register and spill counts (tests_compile/mosaic_gpu_suite.py, every catalog entry).
+
+    sm_90a: 128 query rows per CTA, 128 keys per forward step (FlashAttention-3's tile: the Q K^T
+    wgmma is m64n128, P stays in registers as the P·V wgmma's A operand; with dropout at head dim
+    128, 64 keys: sliding window + ALiBi + dropout spilled 240 B per thread at 128). The backward's
+    dQ takes 64-key steps (S and dP m64n64). dK/dV takes 64-query steps at head dim 64 and 32 at
+    128: there its dK and dV accumulators (128 registers a thread) with 64-wide S^T and dP^T tiles
+    spilled 8-160 B per thread on 9 of 17 configurations (none at 32).
     sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
     (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
     thread (sliding window + ALiBi, D = 64 and 128), none at 32."""
     if MISSING is not None:
         raise NotImplementedError(MISSING)
-    tk = 32 if compute_capability >= 100 else 64
-    # Backward: 32-key steps in dQ and 32-query steps in dK/dV (tiles with a 64-byte swizzle).
-    # sm_90a, D = 128, sliding window + ALiBi (tests_compile/mosaic_gpu_suite.py): dQ spilled 140 B
-    # per thread at 64-key steps, none at 32; dK/dV 256 B at 64-query steps, 28 B at 32.
     arch = _mma.for_capability(compute_capability, False)
+    if compute_capability >= 100:
+        tk, bwd_q, bwd_k = 32, 32, 32
+    else:
+        tk = 64 if dropout and head_dim > 64 else 128
+        bwd_q, bwd_k = (64 if head_dim <= 64 else 32), 64
     return KernelOptions(target="cuda", interpret=False, block_q=_kernels.cta_rows(arch), block_kv=tk,
-                         bwd_block_q=32, bwd_block_kv=32, num_stages=2, bwd_num_stages=2,
+                         bwd_block_q=bwd_q, bwd_block_kv=bwd_k, num_stages=2, bwd_num_stages=2,
                          compute_capability=compute_capability)
 
 
 def _resolve(spec, head_dim: int) -> KernelOptions:
     target, interpret = target_and_interpret(spec, _host_target())
     cc = spec.options.get("compute_capability") or _device_capability() or 90
-    default = heuristics(100 if cc >= 100 else 90)
+    default = heuristics(100 if cc >= 100 else 90, head_dim, spec.dropout_rate > 0)
     return fill(KernelOptions, spec, default, target=target, interpret=interpret, compute_capability=cc)
 
 
@@ -206,9 +212,8 @@ def resolve(spec, q, k, v) -> KernelOptions | str:
     reason = _tile_reason(spec, o)
     if reason is not None:
         return reason
-    rows = _arch(o).rows
-    smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, rows=rows)
-    smem_bwd = _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages, rows=rows)
+    smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, _arch(o))
+    smem_bwd = _kernels.smem_bytes(D, o.bwd_block_kv, o.bwd_block_q, o.bwd_num_stages, _arch(o))
     for kernel, need in (("forward", smem["fwd"]), ("dQ", smem_bwd["dq"]), ("dK/dV", smem_bwd["dkv"])):
         if need > _kernels.SMEM_LIMIT:
             return (f"the mosaic_gpu {kernel} kernel needs {need // 1024} KiB of shared memory at head dim {D} "

@@ -29,6 +29,7 @@ and dO^T are transposed in XLA before the kernels.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.extend.core as jex_core
@@ -39,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import _dropout
 from .._layout import Geom, Mods
+from ._mma import LOG2E
 
 # Two consumer warpgroups per CTA in the forward and dQ, each owning ``arch.rows`` rows (64 on
 # sm_90a, wgmma's M; 128 on sm_100a, tcgen05's): the CTA's rows are ``cta_rows(arch)``.
@@ -49,6 +51,11 @@ CONSUMERS = 2
 # those at 168: at D = 128 the two-consumer form spilled 424 B per thread); two warpgroups leave
 # each thread 255.
 DKV_CONSUMERS = 1
+
+
+# Registers a thread after ``setmaxnreg`` in a CTA of a producer and two consumer warpgroups
+# (FlashAttention-3's split: 24 + 2 x 240 <= 512, the register file per thread of a warpgroup).
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 
 
 def cta_rows(arch) -> int:
@@ -94,6 +101,45 @@ def _transforms(dtype, minor: int = 64):
     128-byte swizzle when n is a multiple of 64, (8, 32) tiles with a 64-byte one for n = 32."""
     width = 64 if minor % 64 == 0 else 32
     return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(width * 2))
+
+
+LN2 = math.log(2.0)
+
+
+def _t(arch, tile):
+    """A (n, D) shared-memory tile as the (D, n) operand of an MMA: its transposed view on the GPU; in
+    the interpreter the tile was transposed in XLA (``_kt``) and is the operand itself."""
+    return plgpu.transpose_ref(tile, (1, 0)) if arch.views else tile
+
+
+def _kt(arch, x):
+    """The kernel operand of a (B, S, H, D) array read transposed: itself where the kernels read
+    transposed views (``_t``), else its (B, H, D, S) transpose, in XLA (the interpreter's form)."""
+    return x if arch.views else x.transpose(0, 2, 3, 1)
+
+
+def _kt_src(arch, ref, b, h, start, n: int):
+    """The (n, D) tile (views) or (D, n) transposed tile of ``_kt``'s operand at rows ``start``."""
+    return ref.at[b, pl.ds(start, n), h] if arch.views else ref.at[b, h, :, pl.ds(start, n)]
+
+
+def _kt_smem(arch, stages: int, D: int, n: int, dtype, tr):
+    """The ring of ``_kt_src``'s tiles."""
+    shape = (stages, n, D) if arch.views else (stages, D, n)
+    return plgpu.SMEM(shape, dtype, transforms=tr)
+
+
+def heaviest_first(n_ref, fn_ref, sub: int, axis_sum: int | None = None):
+    """The order in which a kernel's grid walks its rows (or columns) of tiles: the most tiles first
+    (causal's last query rows, its first key columns), as FlashAttention-3 schedules causal q tiles,
+    so the longest CTAs start first and the short ones fill in behind. (B', H', rows * sub) int32:
+    entry ``i`` is the kernel row (``sub`` per row of the lists) that program ``i`` runs. With
+    ``axis_sum`` the weights are summed over that axis first (kept as size 1)."""
+    w = n_ref + fn_ref
+    if axis_sum is not None:
+        w = w.sum(axis=axis_sum, keepdims=True)
+    w = jnp.repeat(w, sub, axis=-1)
+    return jnp.argsort(-w, axis=-1, stable=True).astype(jnp.int32)
 
 
 def _div(x, n: int):
@@ -236,7 +282,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
     def kernel(*refs):
         it = iter(refs)
-        kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, q_ref, kt_ref, v_ref = (next(it) for _ in range(7))
+        kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, order_r, q_ref, kt_ref, v_ref = (next(it) for _ in range(8))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
         seed_ref = next(it) if rate else None
@@ -244,11 +290,12 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         (qo_smem, k_smem, v_smem, p_smem, stat_smem, row_smem, col_smem), bars, mma = next(it), next(it), next(it)
         nb = 1 + n_rows
         (k_bar, v_bar, q_bar, col_bar, k_free, v_free, sched) = bars
-        h, i, b = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
+        h, b = lax.axis_index("h"), lax.axis_index("b")
         wg = lax.axis_index("wg")
         kvh = _div(h, g.G)
         bm = b if g.Bm > 1 else 0
         hm = h if g.Hm > 1 else 0
+        i = order_r[bm, hm, lax.axis_index("q")]
         walk = _Lists(kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, bm, hm, _div(i, g.sub_q), g.sub_k)
 
         def rb(ref):  # (B', H', n) -> this program's (n,) slice
@@ -256,12 +303,12 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             @pl.loop(0, walk.n)
             def _(t):
                 ks = walk.tile(t) * tk
-                _refill(t, stages, k_free, kt_ref.at[b, kvh, :, pl.ds(ks, tk)], k_smem, k_bar)
+                _refill(t, stages, k_free, _kt_src(arch, kt_ref, b, kvh, ks, tk), k_smem, k_bar)
                 _refill(t, stages, v_free, v_ref.at[b, pl.ds(ks, tk), kvh], v_smem, v_bar)
                 # Column values are read before the consumers release V's slot.
                 _copy_cols([rb(ref) for ref in col_refs], col_smem, col_bar, _rem(t, stages), stages, ks, tk)
@@ -270,9 +317,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q0 = i * R * CONSUMERS + wg * R
-            my_q, my_p = qo_smem.at[wg], p_smem.at[wg]
+            my_q, my_p = qo_smem.at[wg], (None if arch.register_a else p_smem.at[wg])
             unit = arch.unit(mma, wg, tk, {"o": D})
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, R), h], my_q, q_bar.at[wg * nb])
             for r, ref in enumerate(row_refs):
@@ -299,8 +346,11 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     slot = _rem(t, stages)
                     ks = walk.tile(t) * tk
                     plgpu.barrier_wait(k_bar.at[slot])
-                    s = unit.fresh(my_q, k_smem.at[slot], after=sched_barrier) * scale
+                    s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
                     plgpu.barrier_arrive(k_free.at[slot])
+                    # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
+                    # score_mod reads the natural-unit score, else applied after it.
+                    s = s * (scale * LOG2E) if mods.score is None else s * scale
                     q_iota = q0 + arch.iota(shape, 0)
                     q_idx = jnp.minimum(q_iota, g.q_len - 1)
                     row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
@@ -316,7 +366,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     if mods.score is not None:
                         s = _mod_tile(mods.score, s, b, h, q_idx, kv_idx,
                                       _cast_back(mods.score, srows, mods.score.rows),
-                                      _cast_back(mods.score, scols, mods.score.cols))
+                                      _cast_back(mods.score, scols, mods.score.cols)) * LOG2E
                     if masked:
                         ok = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                         if mods.mask is not None:
@@ -326,16 +376,15 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                         s = jnp.where(ok, s, -jnp.inf)
                     m_new = jnp.maximum(m, s.max(axis=1))
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    p = jnp.exp(s - arch.broadcast(m_use, shape, [0]))
-                    alpha = jnp.exp(m - m_use)
+                    p = arch.exp2(s - arch.broadcast(m_use, shape, [0]))
+                    alpha = jnp.exp2(m - m_use)
                     l = l * alpha + p.sum(axis=1)
                     acc = unit.scale(acc, "o", alpha)
                     if drop is not None:
                         p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
-                    my_p[...] = p.astype(dtype)
-                    plgpu.commit_smem()
+                    pa = arch.a_operand(p, my_p, dtype)
                     plgpu.barrier_wait(v_bar.at[slot])
-                    acc = unit.add(acc, "o", my_p, v_smem.at[slot], after=sched_barrier)
+                    acc = unit.add(acc, "o", pa, v_smem.at[slot], after=sched_barrier)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return m_new, l, acc
 
@@ -348,7 +397,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
             alive = l > 0
             inv = jnp.where(alive, 1.0 / jnp.where(alive, l, 1.0), 0.0)
             _store(my_q, unit.chunks(acc, "o"), inv, factor=drop.inv_keep if drop else None)
-            stat_smem[wg, 0] = jnp.where(alive, m, 0.0)
+            stat_smem[wg, 0] = jnp.where(alive, m * LN2, 0.0)  # back to natural units
             stat_smem[wg, 1] = l
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, pl.ds(q0, R), h])
@@ -359,9 +408,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
     tr = _transforms(dtype, tk)
     scratch = (
         (plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
-         plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
+         _kt_smem(arch, stages, D, tk, dtype, tr),
          plgpu.SMEM((stages, tk, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
+         () if arch.register_a else plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
          plgpu.SMEM((CONSUMERS, 2, R), jnp.float32),
          tuple(plgpu.SMEM((CONSUMERS, R), r.dtype) for r in rows),
          tuple(plgpu.SMEM((stages, tk), c.dtype) for c in cols)),
@@ -387,7 +436,8 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
         compiler_params=compiler_params(),
         interpret=_interpret_params() if interpret else None,
     )
-    return call(kv_n, kv_i, fkv_n, fkv_i, q, k.transpose(0, 2, 3, 1), v, *rows, *cols, *(_seed(seed) if rate else ()))
+    order = heaviest_first(kv_n, fkv_n, g.sub_q)
+    return call(kv_n, kv_i, fkv_n, fkv_i, order, q, _kt(arch, k), v, *rows, *cols, *(_seed(seed) if rate else ()))
 
 
 
@@ -454,24 +504,26 @@ def _score_vjp(cm, s_raw, b, h, q_idx, kv_idx, rows, cols):
     return s, vjp
 
 
-def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked, rows, cols, n_srows, n_scols,
-                on_p=None, keep=None, inv_keep=1.0):
+def _tile_probs(arch, mods, qk, scale, lse2, delta, dp, b, h, q_idx, kv_idx, valid, masked, rows, cols, n_srows,
+                n_scols, on_p=None, keep=None, inv_keep=1.0):
     """P (the probabilities that multiply dO: P, or under dropout P * keep / (1 - rate)) and dS
     (of the raw scores) of one tile, and the score_mod's row / column tile gradients.
 
-    ``lse`` / ``delta`` are already broadcast to the tile; ``valid`` the padding test. ``dp``:
+    ``qk``: the tile's unscaled Q K^T; ``lse2`` (the rows' log-sum-exp in base-2 units, ``lse *
+    LOG2E``) and ``delta`` are already broadcast to the tile; ``valid`` the padding test. ``dp``:
     dO V^T's tile, or a function that computes it, called after ``on_p(p)`` (so S^T and dP^T
-    need not be live together). ``keep``: dropout's keep tile (then dP = dO V^T * keep / (1 -
+    need not be live together); ``delta`` may be a function too, called after it. ``keep``: dropout's keep tile (then dP = dO V^T * keep / (1 -
     rate) and dS = P (dP - delta), with delta from the dropped output).
     """
     srows, mrows = rows[:n_srows], rows[n_srows:]
     scols, mcols = cols[:n_scols], cols[n_scols:]
     vjp = None
     if mods.score is not None:
-        s, vjp = _score_vjp(mods.score, s_raw, b, h, q_idx, kv_idx, srows, scols)
+        s, vjp = _score_vjp(mods.score, qk * scale, b, h, q_idx, kv_idx, srows, scols)
+        s2 = s * LOG2E
     else:
-        s = s_raw
-    p = jnp.exp(s - lse)
+        s2 = qk * (scale * LOG2E)  # log2(e) folded into the scale
+    p = arch.exp2(s2 - lse2)
     if masked:
         ok = valid
         if mods.mask is not None:
@@ -482,6 +534,7 @@ def _tile_probs(mods, s_raw, lse, delta, dp, b, h, q_idx, kv_idx, valid, masked,
     if on_p is not None:
         on_p(pv)
     dp = dp() if callable(dp) else dp
+    delta = delta() if callable(delta) else delta
     if keep is not None:
         dp = jnp.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta)
@@ -524,15 +577,16 @@ def _call(kernel, out_type, scratch, grid, names, interpret, name, consumers=CON
 def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_ids, n_srows, n_scols, *,
         stages, interpret, arch, rate=0.0, seed=None):
     """dQ: per CTA two consumers of ``arch.rows`` query rows over the row's kv tiles; the producer
-    streams K^T, V^T (for S and dP) and K (for dS K) through the ring."""
+    streams K and V through the ring (S = Q K^T and dP = dO V^T through their transposed views, dS K),
+    in the interpreter K^T, V^T (transposed in XLA) and K."""
     B, Hq, D, tk, R = g.B, g.Hq, q.shape[-1], g.tk, arch.rows
     dtype = q.dtype
     n_rows, n_cols, n_dr = len(rows), len(cols), len(d_row_ids)
 
     def kernel(*refs):
         it = iter(refs)
-        kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, q_ref, kt_ref, vt_ref, k_ref, do_ref, lse_ref, delta_ref = (
-            next(it) for _ in range(11))
+        kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, order_r, q_ref, kt_ref, vt_ref, k_ref, do_ref, lse_ref, delta_ref = (
+            next(it) for _ in range(12))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
         seed_ref = next(it) if rate else None
@@ -542,35 +596,38 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
             next(it), next(it), next(it))
         kt_bar, vt_bar, k_bar, q_bar, col_bar, kt_free, vt_free, k_free = bars
         nb = 4 + n_rows
-        h, i, b = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
+        h, b = lax.axis_index("h"), lax.axis_index("b")
         wg = lax.axis_index("wg")
         kvh = _div(h, g.G)
-        walk = _Lists(kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, b if g.Bm > 1 else 0, h if g.Hm > 1 else 0,
-                      _div(i, g.sub_q), g.sub_k)
+        bm, hm = b if g.Bm > 1 else 0, h if g.Hm > 1 else 0
+        i = order_r[bm, hm, lax.axis_index("q")]
+        walk = _Lists(kv_n_r, kv_i_r, fkv_n_r, fkv_i_r, bm, hm, _div(i, g.sub_q), g.sub_k)
 
         def rb(ref):
             return ref.at[b if ref.shape[0] > 1 else 0, h if ref.shape[1] > 1 else 0]
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             @pl.loop(0, walk.n)
             def _(t):
                 ks = walk.tile(t) * tk
-                _refill(t, stages, kt_free, kt_ref.at[b, kvh, :, pl.ds(ks, tk)], kt_smem, kt_bar)
-                _refill(t, stages, vt_free, vt_ref.at[b, kvh, :, pl.ds(ks, tk)], vt_smem, vt_bar)
+                if not arch.views:  # the GPU form reads S's K^T from K's ring
+                    _refill(t, stages, kt_free, kt_ref.at[b, kvh, :, pl.ds(ks, tk)], kt_smem, kt_bar)
+                _refill(t, stages, vt_free, _kt_src(arch, vt_ref, b, kvh, ks, tk), vt_smem, vt_bar)
                 _refill(t, stages, k_free, k_ref.at[b, pl.ds(ks, tk), kvh], k_smem, k_bar)
                 # Column values are read before the consumers release K's slot (the step's last).
                 _copy_cols([rb(ref) for ref in col_refs], col_smem, col_bar, _rem(t, stages), stages, ks, tk)
 
-            _drain(walk.n, stages, kt_free, vt_free, k_free)
+            _drain(walk.n, stages, *((vt_free, k_free) if arch.views else (kt_free, vt_free, k_free)))
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q0 = i * R * CONSUMERS + wg * R
-            my_q, my_do, my_ds = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
+            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+            my_ds = None if arch.register_a else ds_smem.at[wg]
             unit = arch.unit(mma, wg, tk, {"dq": D})
             sl = pl.ds(q0, R)
             plgpu.copy_gmem_to_smem(q_ref.at[b, sl, h], my_q, q_bar.at[wg * nb])
@@ -582,7 +639,7 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
             shape = (R, tk)
-            lse_v, delta_v = _load(arch, vec_smem.at[wg, 0], 0), _load(arch, vec_smem.at[wg, 1], 0)
+            lse_v, delta_v = _load(arch, vec_smem.at[wg, 0], 0) * LOG2E, _load(arch, vec_smem.at[wg, 1], 0)
             row_vecs = [_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows)]
             drop = _Drop(arch, rate, seed_ref, b, h) if rate else None
             q_hash = drop.q_hash(q0, R, 0, g.q_len) if drop else None
@@ -592,11 +649,15 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                     dq, drs = carry
                     slot = _rem(t, stages)
                     ks = walk.tile(t) * tk
-                    plgpu.barrier_wait(kt_bar.at[slot])
-                    s = unit.fresh(my_q, kt_smem.at[slot]) * scale
-                    plgpu.barrier_arrive(kt_free.at[slot])
+                    if arch.views:
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        qk = unit.fresh(my_q, _t(arch, k_smem.at[slot]))
+                    else:
+                        plgpu.barrier_wait(kt_bar.at[slot])
+                        qk = unit.fresh(my_q, kt_smem.at[slot])
+                        plgpu.barrier_arrive(kt_free.at[slot])
                     plgpu.barrier_wait(vt_bar.at[slot])
-                    dp = unit.fresh(my_do, vt_smem.at[slot])
+                    dp = unit.fresh(my_do, _t(arch, vt_smem.at[slot]))
                     plgpu.barrier_arrive(vt_free.at[slot])
                     q_iota = q0 + arch.iota(shape, 0)
                     q_idx = jnp.minimum(q_iota, g.q_len - 1)
@@ -611,14 +672,14 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
                         col_vals.append(arch.broadcast(_load(arch, col_smem[c].at[slot], 1), shape, [1]))
                     valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                     keep = drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0) if drop else None
-                    _, ds, d_rows, _ = _tile_probs(mods, s, lse_t, delta_t, dp, b, h, q_idx, kv_idx, valid, masked,
-                                                   row_vals, col_vals, n_srows, n_scols, keep=keep,
+                    _, ds, d_rows, _ = _tile_probs(arch, mods, qk, scale, lse_t, delta_t, dp, b, h, q_idx, kv_idx,
+                                                   valid, masked, row_vals, col_vals, n_srows, n_scols, keep=keep,
                                                    inv_keep=drop.inv_keep if drop else 1.0)
-                    my_ds[...] = ds.astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    dsa = arch.a_operand(ds, my_ds, dtype)
+                    if not arch.views:  # else waited for S
+                        plgpu.barrier_wait(k_bar.at[slot])
 
-                    dq = unit.add(dq, "dq", my_ds, k_smem.at[slot])
+                    dq = unit.add(dq, "dq", dsa, k_smem.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     drs = tuple(a + d_rows[r].sum(axis=1) for a, r in zip(drs, d_row_ids))
                     return dq, drs
@@ -642,9 +703,9 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
     scratch = (
         (plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
          plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
-         plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
-         plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
-         plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
+         () if arch.register_a else plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
+         () if arch.views else plgpu.SMEM((stages, D, tk), dtype, transforms=tr),
+         _kt_smem(arch, stages, D, tk, dtype, tr),
          plgpu.SMEM((stages, tk, D), dtype, transforms=tr),
          plgpu.SMEM((CONSUMERS, 2 + n_dr, R), jnp.float32),
          tuple(plgpu.SMEM((CONSUMERS, R), r.dtype) for r in rows),
@@ -661,8 +722,11 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
     out_type = (jax.ShapeDtypeStruct((B, g.sq, Hq, D), dtype), *(vec for _ in d_row_ids))
     call = _call(kernel, out_type, scratch, (Hq, g.sq // (R * CONSUMERS), B), ("h", "q", "b"), interpret,
                  "flexjax_mgpu_dq")
-    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 3, 1)
-    return call(*lists.by_q, q, kt, vt, k, do, lse, delta, *rows, *cols, *(_seed(seed) if rate else ()))
+    kv_n, kv_i, fkv_n, fkv_i = lists.by_q
+    order = heaviest_first(kv_n, fkv_n, g.sub_q)
+    # The GPU form passes K twice (one operand, read as S's K^T through views and as dS K's K).
+    return call(kv_n, kv_i, fkv_n, fkv_i, order, q, _kt(arch, k), _kt(arch, v), k, do, lse, delta, *rows, *cols,
+                *(_seed(seed) if rate else ()))
 
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
@@ -678,8 +742,8 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
 
     def kernel(*refs):
         it = iter(refs)
-        q_n_r, q_i_r, fq_n_r, fq_i_r, qt_ref, dot_ref, q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref = (
-            next(it) for _ in range(12))
+        q_n_r, q_i_r, fq_n_r, fq_i_r, order_r, qt_ref, dot_ref, q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref = (
+            next(it) for _ in range(13))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
         seed_ref = next(it) if rate else None
@@ -688,7 +752,8 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
         (k_smem, v_smem, p_smem, ring, vec_ring, _, col_smem, dcol_smem), bars, mma = next(it), next(it), next(it)
         qt_smem, dot_smem, q_smem, do_smem = ring
         ring_bar, ring_free, vec_bar, kv_bar = bars
-        j, kvh, b = lax.axis_index("k"), lax.axis_index("h"), lax.axis_index("b")
+        kvh, b = lax.axis_index("h"), lax.axis_index("b")
+        j = order_r[b if order_r.shape[0] > 1 else 0, 0, lax.axis_index("k")]
         wg = lax.axis_index("wg")
         col = _div(j, g.sub_k)
 
@@ -703,7 +768,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
         @pl.when(wg == W)
         def _producer():
             if W > 1:
-                plgpu.set_max_registers(40, action="decrease")
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def head(gi, t0):
                 h = kvh * g.G + gi
@@ -719,9 +784,10 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                     def _():
                         plgpu.barrier_wait(ring_free.at[slot])
 
-                    for n, (src, dst) in enumerate(((qt_ref, qt_smem), (dot_ref, dot_smem))):
-                        plgpu.copy_gmem_to_smem(src.at[b, h, :, pl.ds(qs, tq)], dst.at[slot],
-                                                ring_bar.at[n * stages + slot])
+                    if not arch.views:  # the GPU form reads Q^T and dO^T from Q's and dO's rings
+                        for n, (src, dst) in enumerate(((qt_ref, qt_smem), (dot_ref, dot_smem))):
+                            plgpu.copy_gmem_to_smem(src.at[b, h, :, pl.ds(qs, tq)], dst.at[slot],
+                                                    ring_bar.at[n * stages + slot])
                     for n, (src, dst) in enumerate(((q_ref, q_smem), (do_ref, do_smem))):
                         plgpu.copy_gmem_to_smem(src.at[b, pl.ds(qs, tq), h], dst.at[slot],
                                                 ring_bar.at[(2 + n) * stages + slot])
@@ -737,10 +803,11 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
         @pl.when(wg < W)
         def _consumer():
             if W > 1:
-                plgpu.set_max_registers(232, action="increase")
+                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             k0 = j * R * W + wg * R
             sl = pl.ds(k0, R)
-            my_k, my_v, my_p = k_smem.at[wg], v_smem.at[wg], p_smem.at[wg]
+            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+            my_p = None if arch.register_a else p_smem.at[wg]
             unit = arch.unit(mma, wg, tq, {"dk": D, "dv": D})
             plgpu.copy_gmem_to_smem(k_ref.at[b, sl, kvh], my_k, kv_bar.at[wg * 2])
             plgpu.copy_gmem_to_smem(v_ref.at[b, sl, kvh], my_v, kv_bar.at[wg * 2 + 1])
@@ -767,14 +834,20 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         t = t0 + u
                         slot = _rem(t, stages)
                         qs = walk.tile(u) * tq
-                        plgpu.barrier_wait(ring_bar.at[slot])
-                        st = unit.fresh(my_k, qt_smem.at[slot]) * scale
-                        plgpu.barrier_wait(ring_bar.at[stages + slot])
-                        dpt = unit.fresh(my_v, dot_smem.at[slot])
+                        # S^T = K Q^T and dP^T = V dO^T: on the GPU through the transposed views of
+                        # the Q and dO tiles (rings 2 and 3), in the interpreter from Q^T and dO^T's.
+                        qt_at, dot_at = (2, 3) if arch.views else (0, 1)
+                        plgpu.barrier_wait(ring_bar.at[qt_at * stages + slot])
+                        qkt = unit.fresh(my_k, _t(arch, q_smem.at[slot]) if arch.views else qt_smem.at[slot])
+                        plgpu.barrier_wait(ring_bar.at[dot_at * stages + slot])
+                        if not arch.views:
+                            plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
                         for n in range(n_vec):
                             plgpu.barrier_wait(vec_bar.at[n * stages + slot])
-                        lse_t = arch.broadcast(_load(arch, vec_ring[0].at[slot], 1), shape, [1])
-                        delta_t = arch.broadcast(_load(arch, vec_ring[1].at[slot], 1), shape, [1])
+                        lse_t = arch.broadcast(_load(arch, vec_ring[0].at[slot], 1) * LOG2E, shape, [1])
+
+                        def delta_t():  # read once dP^T is formed: the tile is not live across the MMAs
+                            return arch.broadcast(_load(arch, vec_ring[1].at[slot], 1), shape, [1])
                         row_vals = [arch.broadcast(_load(arch, vec_ring[2 + r].at[slot], 1), shape, [1])
                                     for r in range(n_rows)]
                         col_tiles = [arch.broadcast(x, shape, [0]) for x in col_vals]
@@ -784,19 +857,24 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         q_idx = jnp.minimum(q_iota, g.q_len - 1)
                         valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
                         keep = drop.keep(drop.q_hash(qs, tq, 1, g.q_len), kv_hash, shape, 1) if drop else None
-                        pt, dst, _, d_cols = _tile_probs(mods, st, lse_t, delta_t, dpt, b, h, q_idx, kv_idx, valid,
-                                                         masked, row_vals, col_tiles, n_srows, n_scols, keep=keep,
-                                                         inv_keep=drop.inv_keep if drop else 1.0)
-                        my_p[...] = pt.astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
+                        dvs = [dv]
 
-                        dv = unit.add(dv, "dv", my_p, do_smem.at[slot])
-                        my_p[...] = dst.astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.barrier_wait(ring_bar.at[2 * stages + slot])
+                        def dv_step(pt):  # dV += P^T dO, before dP^T is formed (S^T and dP^T never both live)
+                            dvs[0] = unit.add(dvs[0], "dv", arch.a_operand(pt, my_p, dtype), do_smem.at[slot])
 
-                        dk = unit.add(dk, "dk", my_p, q_smem.at[slot])
+                        def dpt():
+                            return unit.fresh(my_v, _t(arch, do_smem.at[slot]) if arch.views else dot_smem.at[slot])
+
+                        _, dst, _, d_cols = _tile_probs(arch, mods, qkt, scale, lse_t, delta_t, dpt, b, h, q_idx,
+                                                        kv_idx, valid, masked, row_vals, col_tiles, n_srows, n_scols,
+                                                        on_p=dv_step, keep=keep,
+                                                        inv_keep=drop.inv_keep if drop else 1.0)
+                        dv = dvs[0]
+                        dsa = arch.a_operand(dst, my_p, dtype)
+                        if not arch.views:
+                            plgpu.barrier_wait(ring_bar.at[2 * stages + slot])
+
+                        dk = unit.add(dk, "dk", dsa, q_smem.at[slot])
                         plgpu.barrier_arrive(ring_free.at[slot])
                         dcs = tuple(a + d_cols[c].sum(axis=1) for a, c in zip(dcs, d_col_ids))
                         return dk, dv, dcs
@@ -826,11 +904,12 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
     # One swizzle for every tile (wgmma takes both operands with the same): the query tile's.
     tr = tr_q = _transforms(dtype, tq)
     vec_dtypes = (jnp.float32, jnp.float32) + tuple(r.dtype for r in rows)
+    transposed = () if arch.views else plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q)
     scratch = (
         (plgpu.SMEM((W, R, D), dtype, transforms=tr),
          plgpu.SMEM((W, R, D), dtype, transforms=tr),
-         plgpu.SMEM((W, R, tq), dtype, transforms=tr_q),
-         (plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q), plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q),
+         () if arch.register_a else plgpu.SMEM((W, R, tq), dtype, transforms=tr_q),
+         (transposed, transposed,
           plgpu.SMEM((stages, tq, D), dtype, transforms=tr), plgpu.SMEM((stages, tq, D), dtype, transforms=tr)),
          tuple(plgpu.SMEM((stages, tq), dt) for dt in vec_dtypes),
          (),
@@ -847,24 +926,30 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                 *(vec for _ in d_col_ids))
     call = _call(kernel, out_type, scratch, (g.skv // (R * W), Hkv, B), ("k", "h", "b"), interpret,
                  "flexjax_mgpu_dkv", consumers=W)
-    qt, dot_ = q.transpose(0, 2, 3, 1), do.transpose(0, 2, 3, 1)
-    return call(q_n, q_i, fq_n, fq_i, qt, dot_, q, do, k, v, lse, delta, *rows, *cols, *(_seed(seed) if rate else ()))
+    # Heaviest key columns first, weighed over every head (a CTA walks the heads of its group).
+    order = heaviest_first(q_n, fq_n, g.sub_k, axis_sum=1)
+    # The GPU form passes Q and dO twice (read through transposed views; no XLA transposes).
+    return call(q_n, q_i, fq_n, fq_i, order, _kt(arch, q), _kt(arch, do), q, do, k, v, lse, delta, *rows, *cols,
+                *(_seed(seed) if rate else ()))
 
 
-def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, itemsize: int = 2, rows: int = 64) -> dict[str, int]:
+def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, arch, itemsize: int = 2) -> dict[str, int]:
     """Shared memory of each kernel, from its scratch (barriers and the few row/column vectors aside),
-    with ``rows`` rows per consumer (``arch.rows``: 64 on sm_90a, 128 on sm_100a).
+    in ``arch``'s form: ``arch.rows`` rows per consumer (64 on sm_90a, 128 on sm_100a); no P / dS
+    tile where the MMAs take A from registers, no transposed copies where they read views.
 
     Each 16-bit tile is rounded up to 1 KiB (a 128-byte swizzle's alignment).
     """
-    R = rows
+    R = rows = arch.rows
+    a_tiles = 0 if arch.register_a else 1
     def tile(r, c, n=1):
         return n * -(-(r * c * itemsize) // 1024) * 1024
 
-    fwd = tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + tile(R, tk, CONSUMERS)
-    dq = 2 * tile(R, D, CONSUMERS) + tile(R, tk, CONSUMERS) + 3 * tile(tk, D, stages)
-    dkv = (2 * tile(R, D, DKV_CONSUMERS) + tile(R, tq_dkv, DKV_CONSUMERS)
-           + 4 * tile(tq_dkv, D, stages))
+    fwd = tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + a_tiles * tile(R, tk, CONSUMERS)
+    dq = (2 * tile(R, D, CONSUMERS) + a_tiles * tile(R, tk, CONSUMERS)
+          + (2 if arch.views else 3) * tile(tk, D, stages))
+    dkv = (2 * tile(rows, D, DKV_CONSUMERS) + a_tiles * tile(rows, tq_dkv, DKV_CONSUMERS)
+           + (2 if arch.views else 4) * tile(tq_dkv, D, stages))
     return {"fwd": fwd, "dq": dq, "dkv": dkv}
 
 

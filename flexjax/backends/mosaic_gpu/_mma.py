@@ -10,10 +10,18 @@ architectures:
   ``chunks(acc, name)``: a running ``(rows, D)`` float32 accumulator (``O``, ``dQ``, ``dK``,
   ``dV``) that the caller threads through its loops as ``acc``.
 
-``Hopper`` (sm_90a): 64 rows per warpgroup (wgmma's M), accumulators in registers as (64, 64)
-chunks that each accumulating wgmma adds into in place (``pl.run_state``). ``Hopper(emulate=
-True)``, the interpreter's form (it has no ``run_state``): each MMA writes a fresh accumulator
-that is added in registers.
+Each arch has a GPU form and an interpreter form (``emulate=True``), for what Mosaic GPU's
+interpreter cannot run. The GPU form reads K, V, Q and dO tiles through transposed views of their
+shared-memory tiles (``views``: ``plgpu.transpose_ref``; the interpreter has no transposed view,
+so there the kernels take tiles transposed in XLA), and computes the softmax's exponent as one
+``ex2.approx`` per element (``exp2``; exact ``jnp.exp2`` in the interpreter).
+
+``Hopper`` (sm_90a): 64 rows per warpgroup (wgmma's M), each accumulator one (64, D) register
+array that the accumulating wgmmas add into in place (``pl.run_state``), with the A operand of
+P·V, dS·K, P^T·dO and dS^T·Q in registers (``register_a``: wgmma's register-A form; P never
+goes to shared memory). ``Hopper(emulate=True)``, the interpreter's form (it has no
+``run_state`` and takes no register operand): each MMA writes a fresh (64, 64) accumulator that
+is added in registers, and A operands go through shared memory.
 
 ``Blackwell`` (sm_100a): 128 rows per warpgroup (tcgen05's M, one tensor-memory lane per
 thread); the accumulators live in tensor memory (TMEM), so they cost no registers: ``add`` is an
@@ -30,6 +38,8 @@ stored or added there. Everything but the tcgen05 and TMEM operations runs as on
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -41,10 +51,44 @@ CHUNK = 64
 SCALE_CHUNK = 16
 
 
+# log2(e): the kernels keep scores in base-2 units (``x * LOG2E``) so each exponent is one ``ex2``.
+LOG2E = math.log2(math.e)
+
+
 class _Arch:
     name: str
     rows: int
     tile_layout: object
+    emulate: bool
+    # MMAs take their A operand from registers (else from a shared-memory tile).
+    register_a: bool = False
+
+    @property
+    def views(self) -> bool:
+        """Tiles are read through transposed shared-memory views (the GPU form), not transposed in XLA."""
+        return not self.emulate
+
+    def exp2(self, x):
+        """``2 ** x`` of a tile in the arch's layout: ``ex2.approx.ftz`` on the GPU (the softmax's
+        exponent, as FlashAttention-3's; the mods' own math stays exact), ``jnp.exp2`` in the interpreter."""
+        if self.emulate:
+            return jnp.exp2(x)
+
+        @plgpu.inline_mgpu(arg_types=(self.tile_layout,),
+                           return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=self.tile_layout))
+        def ex2(ctx, v):
+            return v.exp2(approx=True)
+
+        return ex2(x)
+
+    def a_operand(self, x, smem, dtype):
+        """The A operand of an MMA from the (rows, n) float32 tile ``x``: ``x`` in ``dtype`` itself
+        where the MMA takes registers, else stored to the shared-memory tile ``smem``."""
+        if self.register_a:
+            return x.astype(dtype)
+        smem[...] = x.astype(dtype)
+        plgpu.commit_smem()
+        return smem
 
     def layout(self, axis_kept: int | None):
         """The register layout of a tile (None) or of its rows (0: one value per row) / columns (1)."""
@@ -70,6 +114,7 @@ class Hopper(_Arch):
 
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
+        self.register_a = not emulate
 
     def scratch(self, units: int, fresh: int, accs: dict[str, int]):
         return ()
@@ -95,17 +140,25 @@ class _WgmmaUnit:
 
         return pl.run_scoped(mma, plgpu.ACC((self.arch.rows, b.shape[1]), jnp.float32))
 
+    def _width(self, name):
+        # In place, one wgmma of N = D per step (FlashAttention-3's P·V shape); the interpreter's
+        # fresh accumulators are (64, 64) chunks (each live beside the sum while it is added).
+        return self.accs[name] if self.in_place else CHUNK
+
     def zeros(self, name):
-        shape = (self.arch.rows, CHUNK)
+        w = self._width(name)
+        shape = (self.arch.rows, w)
         return tuple(plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), self.arch.layout(None))
-                     for _ in range(self.accs[name] // CHUNK))
+                     for _ in range(self.accs[name] // w))
 
     def add(self, acc, name, a, b, after=None):
-        """``acc[c] + a @ b[:, c * 64:(c + 1) * 64]`` for each chunk ``c``; ``after`` once the last is issued."""
+        """``acc[c] + a @ b[:, c * w:(c + 1) * w]`` for each chunk ``c``; ``after`` once the last is issued.
+        ``a``: a (rows, k) 16-bit array (``register_a``) or shared-memory tile."""
+        w = self._width(name)
         if self.in_place:
             def mma(refs):
                 for c, ref in enumerate(refs):
-                    plgpu.wgmma(ref, a, b.at[:, pl.ds(c * CHUNK, CHUNK)])
+                    plgpu.wgmma(ref, a, b if len(refs) == 1 else b.at[:, pl.ds(c * w, w)])
                 if after is not None:
                     after()
 
