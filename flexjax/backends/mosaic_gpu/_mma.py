@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # Columns of an accumulator per MMA / TMEM access: 64 (32 registers a thread at 64 rows, 64 at 128).
 CHUNK = 64
 # Columns of a TMEM accumulator per rescale (``_Tcgen05Unit.scale``).
-SCALE_CHUNK = 16
+SCALE_CHUNK = 8
 
 
 # log2(e): the kernels keep scores in base-2 units (``x * LOG2E``) so each exponent is one ``ex2``.
@@ -266,8 +266,9 @@ class _Tcgen05Unit:
         return ()
 
     def scale(self, acc, name, alpha):
-        # In the loop, 16 columns at a time: at 32 or 64 the sm_100a forward spilled 8 B per
-        # thread at D = 128 (the "full" catalog entry), none at 16.
+        # In the loop, 8 columns at a time: at 32 or 64 the sm_100a forward spilled 8 B per
+        # thread at D = 128 (the "full" catalog entry), none at 16; with the exponent a bare
+        # ex2.approx, 16 spilled 8 B ("padding", D = 128), none at 8.
         for c in range(self.accs[name] // SCALE_CHUNK):
             ref = self._cols(self.offsets[name] + c * SCALE_CHUNK, SCALE_CHUNK)
             x = self._load(ref)
