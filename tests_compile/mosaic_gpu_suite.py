@@ -159,7 +159,7 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
            "arch": arch,
            # producer + consumers x rows, per kernel (forward, dQ, dK/dV)
            "warpgroups": f"1+{_kernels.CONSUMERS}x{unit.rows}, 1+{_kernels.CONSUMERS}x{unit.rows}, "
-                         f"1+{_kernels.DKV_CONSUMERS}x{unit.rows}"}
+                         f"1+{_kernels.dkv_consumers(unit, D)}x{unit.rows}"}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         try:

@@ -164,9 +164,9 @@ def validate_options(spec) -> None:
             raise ValueError(f"kernel_options[{f!r}] must be >= 2 (the depth of the TMA ring), got {val}")
 
 
-def _tile_reason(spec, o: KernelOptions) -> str | None:
+def _tile_reason(spec, o: KernelOptions, head_dim: int) -> str | None:
     arch = _arch(o)
-    cta, dkv = _kernels.cta_rows(arch), _kernels.dkv_rows(arch)
+    cta, dkv = _kernels.cta_rows(arch), _kernels.dkv_rows(arch, head_dim)
     if o.block_q != cta:
         return (f"the mosaic_gpu forward takes block_q={cta} on {arch.name} (two warpgroups of {arch.rows} rows), "
                 f"got {o.block_q}")
@@ -209,7 +209,7 @@ def resolve(spec, q, k, v) -> KernelOptions | str:
         return (f"Mosaic GPU's interpreter needs at least {_INTERPRETER_THREADS} XLA:CPU threads (its simulated "
                 f"warpgroups block on barriers), and this host gives XLA {_xla_cpu_threads()}; set NPROC=16 in the "
                 "environment before JAX starts, or use backend='pallas' or 'xla' on CPU")
-    reason = _tile_reason(spec, o)
+    reason = _tile_reason(spec, o, D)
     if reason is not None:
         return reason
     smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, _arch(o))
@@ -291,7 +291,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     # rows): both pad to the larger of their sequence lengths, with the lists regrouped for each.
     arch = _arch(o)
     gq, lists_q = geometry(spec, q, k, lists, _kernels.cta_rows(arch), o.bwd_block_kv)
-    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.dkv_rows(arch))
+    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.dkv_rows(arch, q.shape[-1]))
     sq, skv = max(gq.sq, gk.sq), max(gq.skv, gk.skv)
     g, gk = dataclasses.replace(gq, sq=sq, skv=skv), dataclasses.replace(gk, sq=sq, skv=skv)
     qp, kp, vp = pad_axis(q, 1, sq), pad_axis(k, 1, skv), pad_axis(v, 1, skv)

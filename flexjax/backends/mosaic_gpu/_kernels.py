@@ -7,7 +7,7 @@ slots; the others are consumers, each owning ``arch.rows`` rows (64 on sm_90a, 1
 and running its MMAs through a matrix unit (``_mma``: wgmma with accumulators in registers, or
 tcgen05 with accumulators in tensor memory) from shared-memory operands. A slot is refilled
 once every consumer has arrived on its "consumed" barrier. The forward and dQ have two
-consumers; dK/dV one (see ``DKV_CONSUMERS``). In the forward the consumers take turns on the
+consumers; dK/dV one or two (``dkv_consumers``). In the forward the consumers take turns on the
 tensor cores (the ping-pong schedule of FlashAttention-3: a two-arrival barrier around each
 MMA), so one warpgroup's softmax overlaps the other's MMAs.
 
@@ -45,12 +45,16 @@ from ._mma import LOG2E
 # Two consumer warpgroups per CTA in the forward and dQ, each owning ``arch.rows`` rows (64 on
 # sm_90a, wgmma's M; 128 on sm_100a, tcgen05's): the CTA's rows are ``cta_rows(arch)``.
 CONSUMERS = 2
-# The dK/dV kernel: one consumer warpgroup (64 key rows on sm_90a, 128 on sm_100a) and the
-# producer. On sm_90a its dK and dV accumulators (2 x 64 x D float32, in registers) with the S^T
-# and dP^T tiles need more registers than a thread of a three-warpgroup CTA gets (ptxas caps
-# those at 168: at D = 128 the two-consumer form spilled 424 B per thread); two warpgroups leave
-# each thread 255.
-DKV_CONSUMERS = 1
+
+
+def dkv_consumers(arch, D: int) -> int:
+    """Consumer warpgroups of the dK/dV kernel, each owning ``arch.rows`` key rows. Two on sm_90a at
+    head dim 64 (FlashAttention-3's backward: 240 registers a thread after ``setmaxnreg``). One
+    elsewhere: at D = 128 its dK and dV accumulators (2 x 64 x D float32, in registers) with the S^T
+    and dP^T tiles need more registers than a thread of a three-warpgroup CTA gets (the two-consumer
+    form spilled 424 B per thread), and a lone consumer's thread has 255; on sm_100a two consumers'
+    accumulators at D = 128 would pass the 512 tensor-memory columns."""
+    return 2 if arch.name == "sm_90a" and D <= 64 else 1
 
 
 # Registers a thread after ``setmaxnreg`` in a CTA of a producer and two consumer warpgroups
@@ -63,9 +67,9 @@ def cta_rows(arch) -> int:
     return arch.rows * CONSUMERS
 
 
-def dkv_rows(arch) -> int:
-    """Key rows of a dK/dV CTA: 64 on sm_90a, 128 on sm_100a."""
-    return arch.rows * DKV_CONSUMERS
+def dkv_rows(arch, D: int) -> int:
+    """Key rows of a dK/dV CTA: ``arch.rows`` per consumer (``dkv_consumers``)."""
+    return arch.rows * dkv_consumers(arch, D)
 
 
 def compiler_params():
@@ -345,7 +349,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     m, l, acc = carry
                     slot = _rem(t, stages)
                     ks = walk.tile(t) * tk
-                    plgpu.barrier_wait(k_bar.at[slot])
+                    # K's tile was waited for while the previous step's P·V ran (``pv_issued``).
                     s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
                     plgpu.barrier_arrive(k_free.at[slot])
                     # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
@@ -384,13 +388,26 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                         p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
                     pa = arch.a_operand(p, my_p, dtype)
                     plgpu.barrier_wait(v_bar.at[slot])
-                    acc = unit.add(acc, "o", pa, v_smem.at[slot], after=sched_barrier)
+
+                    def pv_issued():  # while P·V runs: hand over the tensor cores, wait for the next K
+                        sched_barrier()
+
+                        @pl.when(t + 1 < walk.n)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[_rem(t + 1, stages)])
+
+                    acc = unit.add(acc, "o", pa, v_smem.at[slot], after=pv_issued)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return m_new, l, acc
 
                 return body
 
             m, l = arch.full(R, -jnp.inf), arch.full(R, 0.0)
+
+            @pl.when(walk.n > 0)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
+
             carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, unit.zeros("o")))
             m, l, acc = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
             pl.when(wg == 0)(sched_barrier)
@@ -549,7 +566,7 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
     """dQ, dK, dV (padded) and the score_mod's row / column gradients.
 
     ``gq``: the dQ kernel's geometry (``cta_rows(arch)`` query rows per CTA, ``gq.tk`` keys per step);
-    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``dkv_rows(arch)`` key rows per CTA); both with
+    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``dkv_rows(arch, D)`` key rows per CTA); both with
     the same padded lengths. ``lse`` / ``delta`` (B, Hq, sq) float32; ``do`` in q's dtype.
     Returns ``(dq, dk, dv, d_rows, d_cols, ())``: per float score_mod row (B, Hq, sq, 1) and
     column (B, Hq, 1, skv) float32, None for the others.
@@ -731,11 +748,11 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
          stages, interpret, arch, rate=0.0, seed=None):
-    """dK, dV: per CTA ``DKV_CONSUMERS`` consumers of ``arch.rows`` key rows over the query heads of the GQA group
+    """dK, dV: per CTA ``dkv_consumers(arch, D)`` consumers of ``arch.rows`` key rows over the query heads of the GQA group
     and each head's column of q tiles; the producer streams Q^T, dO^T (for S^T and dP^T), Q and
     dO (for dS^T Q and P^T dO), lse, delta and the hoisted rows through the ring."""
     B, Hq, Hkv, D, tq, R = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq, arch.rows
-    W = DKV_CONSUMERS
+    W = dkv_consumers(arch, D)
     dtype = q.dtype
     n_rows, n_cols, n_dc = len(rows), len(cols), len(d_col_ids)
     q_n, q_i, fq_n, fq_i = lists.by_kv
@@ -948,7 +965,8 @@ def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, arch, itemsize: int = 
     fwd = tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + a_tiles * tile(R, tk, CONSUMERS)
     dq = (2 * tile(R, D, CONSUMERS) + a_tiles * tile(R, tk, CONSUMERS)
           + (2 if arch.views else 3) * tile(tk, D, stages))
-    dkv = (2 * tile(rows, D, DKV_CONSUMERS) + a_tiles * tile(rows, tq_dkv, DKV_CONSUMERS)
+    W = dkv_consumers(arch, D)
+    dkv = (2 * tile(rows, D, W) + a_tiles * tile(rows, tq_dkv, W)
            + (2 if arch.views else 4) * tile(tq_dkv, D, stages))
     return {"fwd": fwd, "dq": dq, "dkv": dkv}
 
@@ -960,7 +978,7 @@ def tmem_columns(D: int, tk: int, tk_dq: int, tq_dkv: int) -> dict[str, int]:
 
     return {"fwd": CONSUMERS * Blackwell.columns(tk, {"o": D}),
             "dq": CONSUMERS * Blackwell.columns(tk_dq, {"dq": D}),
-            "dkv": DKV_CONSUMERS * Blackwell.columns(tq_dkv, {"dk": D, "dv": D})}
+            "dkv": dkv_consumers(Blackwell(), D) * Blackwell.columns(tq_dkv, {"dk": D, "dv": D})}
 
 
 # Tensor memory of an sm_100 SM: 128 lanes of 512 32-bit columns.
@@ -970,5 +988,5 @@ TMEM_COLUMNS = 512
 # less 2 KiB for the barriers and the per-row vectors.
 SMEM_LIMIT = 232448 - 2048
 
-__all__ = ["forward", "backward", "smem_bytes", "tmem_columns", "SMEM_LIMIT", "TMEM_COLUMNS", "cta_rows", "dkv_rows",
+__all__ = ["forward", "backward", "smem_bytes", "tmem_columns", "SMEM_LIMIT", "TMEM_COLUMNS", "cta_rows", "dkv_rows", "dkv_consumers",
            "CONSUMERS"]
