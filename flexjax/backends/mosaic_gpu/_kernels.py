@@ -343,13 +343,19 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 plgpu.barrier_wait(sched)
 
             pl.when(wg == 1)(sched_barrier)
+            # sm_90a waits for the next K tile while P·V runs; sm_100a's tcgen05 unit waits for each
+            # MMA as soon as it is issued, so there it waits at the step's start (the early wait
+            # spilled 8 B per thread in the sm_100a forward, "padding", D = 128).
+            early_k = arch.name == "sm_90a"
 
             def step(masked):
                 def body(t, carry):
                     m, l, acc = carry
                     slot = _rem(t, stages)
                     ks = walk.tile(t) * tk
-                    # K's tile was waited for while the previous step's P·V ran (``pv_issued``).
+                    # On sm_90a K's tile was waited for while the previous step's P·V ran (``pv_issued``).
+                    if not early_k:
+                        plgpu.barrier_wait(k_bar.at[slot])
                     s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
                     plgpu.barrier_arrive(k_free.at[slot])
                     # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
@@ -391,10 +397,10 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
                     def pv_issued():  # while P·V runs: hand over the tensor cores, wait for the next K
                         sched_barrier()
-
-                        @pl.when(t + 1 < walk.n)
-                        def _():
-                            plgpu.barrier_wait(k_bar.at[_rem(t + 1, stages)])
+                        if early_k:
+                            @pl.when(t + 1 < walk.n)
+                            def _():
+                                plgpu.barrier_wait(k_bar.at[_rem(t + 1, stages)])
 
                     acc = unit.add(acc, "o", pa, v_smem.at[slot], after=pv_issued)
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -404,9 +410,10 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
             m, l = arch.full(R, -jnp.inf), arch.full(R, 0.0)
 
-            @pl.when(walk.n > 0)
-            def _():
-                plgpu.barrier_wait(k_bar.at[0])
+            if early_k:
+                @pl.when(walk.n > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[0])
 
             carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, unit.zeros("o")))
             m, l, acc = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
