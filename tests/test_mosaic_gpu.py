@@ -138,6 +138,38 @@ def test_takes_hopper_and_blackwell():
         assert backend.heuristics(cc).block_q == rows
 
 
+def test_fa3_tiles_and_forms():
+    """sm_90a's default tiles are FlashAttention-3's where the compile suite found them spill-free
+    (``heuristics``' docstring), and the GPU forms read transposed views and take A from registers,
+    the interpreter's forms neither (its tiles are transposed in XLA and A goes through shared memory)."""
+    from flexjax.backends import mosaic_gpu as backend
+    from flexjax.backends.mosaic_gpu import _kernels, _mma
+
+    o = backend.heuristics(90, 128)
+    assert (o.block_kv, o.bwd_block_kv, o.bwd_block_q) == (128, 64, 32)
+    assert backend.heuristics(90, 64).bwd_block_q == 64
+    assert backend.heuristics(90, 128, dropout=True).block_kv == 64
+    gpu, interp = _mma.Hopper(), _mma.Hopper(emulate=True)
+    assert gpu.views and gpu.register_a and not interp.views and not interp.register_a
+    assert _mma.Blackwell().views and not _mma.Blackwell().register_a
+    assert _kernels.dkv_consumers(gpu, 64) == 2 and _kernels.dkv_consumers(gpu, 128) == 1
+    # No P tile and no transposed copies in the GPU form's shared memory.
+    assert _kernels.smem_bytes(128, 128, 32, 2, gpu)["fwd"] < _kernels.smem_bytes(128, 128, 32, 2, interp)["fwd"]
+
+
+def test_heaviest_first():
+    """The grids walk rows with the most tiles first (causal: the last query rows), ties in order;
+    each kernel row of a list row that it splits in ``sub`` gets its list row's weight."""
+    from flexjax.backends.mosaic_gpu import _kernels
+
+    n = jnp.array([[[1, 2, 3, 2]]], jnp.int32)
+    f = jnp.array([[[0, 0, 1, 1]]], jnp.int32)
+    assert _kernels.heaviest_first(n, f, 1).tolist() == [[[2, 3, 1, 0]]]
+    assert _kernels.heaviest_first(n, f, 2).tolist() == [[[4, 5, 6, 7, 2, 3, 0, 1]]]
+    both = jnp.concatenate([n, n[..., ::-1]], axis=1)
+    assert _kernels.heaviest_first(both, both * 0, 1, axis_sum=1).tolist() == [[[1, 2, 0, 3]]]
+
+
 def test_refuses_past_tensor_memory(monkeypatch):
     """sm_100a's accumulators live in tensor memory; a call whose tiles need more columns than an SM
     has is refused with the reason (here the limit is lowered: the shared-memory limit binds first

@@ -12,7 +12,16 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_compile"))
 
-from ptx_shape import hopper_exempt, hopper_shape, instruction_mix, tensor_core_ops  # noqa: E402
+from ptx_shape import (  # noqa: E402
+    bare_ex2,
+    fa3_shape,
+    hlo_transposes,
+    hopper_exempt,
+    hopper_shape,
+    instruction_mix,
+    tensor_core_ops,
+    wgmma_forms,
+)
 
 
 def _loop(label: str, body: str) -> str:
@@ -91,3 +100,48 @@ def test_tensor_core_ops_reads_instructions_not_names():
                                     "tcgen05.wait::ld"}
     wgmma = "\t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, p;}"
     assert tensor_core_ops(wgmma) == {"wgmma.mma_async"}
+
+
+# What Mosaic GPU emits for sm_90a (LLVM's NVPTX backend, an inline-asm wgmma in braces).
+SMEM_A = ("\t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 "
+          "{%r1,%r2}, %rd102, %rd103, p, 1, 1, 0, 1; }\n")
+REG_A = ("\t{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 "
+         "{%r1,%r2}, {%r5,%r6,%r7,%r8}, %rd103, p, 1, 1, 1; }\n")
+
+
+def _n(form: str, n: int) -> str:
+    return form.replace("nN", f"n{n}")
+# libdevice's expf: a range reduction (one fma.rm.f32) around the ex2.approx.ftz.
+EXPF = ("\tfma.rm.f32 \t%r537, %r534, %r536, %r535;\n\tadd.rn.f32 \t%r538, %r537, 0fCB40007F;\n"
+        "\tex2.approx.ftz.f32 \t%r543, %r541;\n")
+EX2 = "\tex2.approx.ftz.f32 \t%r9, %r8;\n"
+
+
+def test_wgmma_forms_tell_register_a_from_shared_memory_a():
+    ptx = _n(SMEM_A, 128) + _n(REG_A, 64)
+    assert wgmma_forms(ptx) == [(128, False), (64, True)]
+
+
+def test_bare_ex2_does_not_count_precise_expf():
+    assert bare_ex2(EXPF * 3) == 0
+    assert bare_ex2(EXPF + EX2 * 2) == 2
+
+
+def test_fa3_shape():
+    good = _n(SMEM_A, 128) + _n(REG_A, 128) + EX2 * 64
+    assert fa3_shape("fwd", good, qk_n=128, min_bare_ex2=64) == []
+    # The FA2 shape: 64-key score wgmmas, P from shared memory, the precise exp.
+    old = _n(SMEM_A, 64) * 2 + EXPF * 64
+    fails = fa3_shape("fwd", old, qk_n=128, min_bare_ex2=64)
+    assert any("N = 64 < 128" in f for f in fails)
+    assert any("no register-A" in f for f in fails)
+    assert any("bare ex2" in f for f in fails)
+
+
+def test_hlo_transposes_counts_4d_ones():
+    hlo = """
+  %transpose.13.3 = bf16[1024,2]{1,0} transpose(%bitcast.3.3), dimensions={1,0}
+  ROOT %transpose.2.1 = bf16[1,2,128,1024]{3,2,1,0} transpose(%param_0.68), dimensions={0,2,3,1}
+  %t = f32[1,1024,2,128]{3,2,1,0} convert(%param_0.64), metadata={op_name="transpose(jvp(x))"}
+"""
+    assert hlo_transposes(hlo) == ["1,2,128,1024"]

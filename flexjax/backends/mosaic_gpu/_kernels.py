@@ -536,8 +536,9 @@ def _tile_probs(arch, mods, qk, scale, lse2, delta, dp, b, h, q_idx, kv_idx, val
     ``qk``: the tile's unscaled Q K^T; ``lse2`` (the rows' log-sum-exp in base-2 units, ``lse *
     LOG2E``) and ``delta`` are already broadcast to the tile; ``valid`` the padding test. ``dp``:
     dO V^T's tile, or a function that computes it, called after ``on_p(p)`` (so S^T and dP^T
-    need not be live together); ``delta`` may be a function too, called after it. ``keep``: dropout's keep tile (then dP = dO V^T * keep / (1 -
-    rate) and dS = P (dP - delta), with delta from the dropped output).
+    need not be live together); ``delta`` may be a function too, called after it. ``keep``:
+    dropout's keep tile (then dP = dO V^T * keep / (1 - rate) and dS = P (dP - delta), with delta
+    from the dropped output).
     """
     srows, mrows = rows[:n_srows], rows[n_srows:]
     scols, mcols = cols[:n_scols], cols[n_scols:]
@@ -755,9 +756,10 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
          stages, interpret, arch, rate=0.0, seed=None):
-    """dK, dV: per CTA ``dkv_consumers(arch, D)`` consumers of ``arch.rows`` key rows over the query heads of the GQA group
-    and each head's column of q tiles; the producer streams Q^T, dO^T (for S^T and dP^T), Q and
-    dO (for dS^T Q and P^T dO), lse, delta and the hoisted rows through the ring."""
+    """dK, dV: per CTA ``dkv_consumers(arch, D)`` consumers of ``arch.rows`` key rows over the query heads of the
+    GQA group and each head's column of q tiles; the producer streams Q and dO (S^T = K Q^T and dP^T =
+    V dO^T through their transposed views; dS^T Q and P^T dO), lse, delta and the hoisted rows through
+    the ring; in the interpreter also Q^T and dO^T, transposed in XLA."""
     B, Hq, Hkv, D, tq, R = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq, arch.rows
     W = dkv_consumers(arch, D)
     dtype = q.dtype
@@ -995,5 +997,5 @@ TMEM_COLUMNS = 512
 # less 2 KiB for the barriers and the per-row vectors.
 SMEM_LIMIT = 232448 - 2048
 
-__all__ = ["forward", "backward", "smem_bytes", "tmem_columns", "SMEM_LIMIT", "TMEM_COLUMNS", "cta_rows", "dkv_rows", "dkv_consumers",
-           "CONSUMERS"]
+__all__ = ["forward", "backward", "smem_bytes", "tmem_columns", "SMEM_LIMIT", "TMEM_COLUMNS", "cta_rows", "dkv_rows",
+           "dkv_consumers", "CONSUMERS", "heaviest_first", "LN2"]
