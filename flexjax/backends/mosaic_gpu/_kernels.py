@@ -5,7 +5,8 @@ producer, which walks the CTA's row (or column) of the BlockMask's tile lists as
 issues TMA copies of the tiles the consumers need into a ring of ``stages`` shared-memory
 slots; the others are consumers, each owning ``arch.rows`` rows (64 on sm_90a, 128 on sm_100a)
 and running its MMAs through a matrix unit (``_mma``: wgmma with accumulators in registers, or
-tcgen05 with accumulators in tensor memory) from shared-memory operands. A slot is refilled
+tcgen05 with accumulators in tensor memory) from shared-memory operands (on sm_90a A from
+registers where it is P or dS). A slot is refilled
 once every consumer has arrived on its "consumed" barrier. The forward and dQ have two
 consumers; dK/dV one or two (``dkv_consumers``). In the forward the consumers take turns on the
 tensor cores (the ping-pong schedule of FlashAttention-3: a two-arrival barrier around each
@@ -18,12 +19,18 @@ tiles neither. Dropout regenerates ``_dropout``'s keep mask per tile (``_Drop``)
 kernels run in Mosaic GPU's interpreter on a CPU host (``InterpretGPUParams``), which
 simulates the shared memory, barriers, TMA and wgmma.
 
-What the interpreter runs shaped three things. It has no ``run_state`` (an MMA into a live
-accumulator) and no tcgen05 or tensor memory, so there the matrix units take their
-interpreter forms (``_mma``: fresh accumulators added in registers; tensor memory as a
-shared-memory buffer). It takes no register operand, so P and dS are stored to shared memory
-before they multiply. It takes no transposed view of a shared-memory tile, so K^T, V^T, Q^T
-and dO^T are transposed in XLA before the kernels.
+The GPU form is FlashAttention-3's (sm_90a): 128-key forward steps with Q K^T one m64n128
+wgmma, P in registers as the P·V wgmma's A operand (dS likewise for dS K, P^T and dS^T for dV and
+dK), the softmax in base 2 with log2(e) folded into the scale and each exponent one
+``ex2.approx``, K / V / Q / dO tiles read through transposed shared-memory views (no transposes
+in XLA), the next K tile waited for while P·V runs, grids walked heaviest first
+(``heaviest_first``). What the interpreter cannot run, it runs in a second form behind the
+matrix unit (``_mma``: ``arch.views``, ``arch.register_a``, ``arch.exp2``): it has no
+``run_state`` (an MMA into a live accumulator), no register operand and no transposed view, so
+there each MMA writes a fresh accumulator added in registers, P and dS are stored to shared
+memory before they multiply, and K^T, V^T, Q^T and dO^T are transposed in XLA before the
+kernels. The interpreter checks the numerics of that form; ``tests_compile/mosaic_gpu_suite.py``
+checks that the GPU form compiles spill-free in FlashAttention-3's shape.
 """
 
 from __future__ import annotations
