@@ -56,7 +56,12 @@ KERNELS = ("flexjax_mgpu_fwd", "flexjax_mgpu_dq", "flexjax_mgpu_dkv")
 # Spill bytes per thread (stores or loads) a kernel may have: none anywhere. (The sm_90a dK/dV
 # kernel at D = 128 spilled 8-52 B per thread while its accumulating wgmmas wrote fresh
 # accumulators added in registers, the interpreter's form; on the GPU they accumulate in place.)
-SPILL_BUDGET: dict = {}
+# One exception, on the GPU machine's ptxas (JAX 0.11.2, CUDA 13) only: the sm_100a forward at
+# D = 128 with the "neg_inf_score" entry spills 4 B per thread since the softmax's exponent became
+# a bare ex2.approx (issue 44; CUDA 12's ptxas: none). Rescaling O 8 tensor-memory columns at a
+# time (from 16) cleared the same spill on "padding"; 4 columns is not a TMEM load shape, and an
+# optimization barrier between the exponents and the rescale did not help.
+SPILL_BUDGET: dict = {("sm_100a", "fwd", 128): 4}
 
 
 def _configs(quick: bool):
