@@ -57,11 +57,11 @@ KERNELS = ("flexjax_mgpu_fwd", "flexjax_mgpu_dq", "flexjax_mgpu_dkv")
 # kernel at D = 128 spilled 8-52 B per thread while its accumulating wgmmas wrote fresh
 # accumulators added in registers, the interpreter's form; on the GPU they accumulate in place.)
 # One exception, on the GPU machine's ptxas (JAX 0.11.2, CUDA 13) only: the sm_100a forward at
-# D = 128 with the "neg_inf_score" entry spills 4 B per thread since the softmax's exponent became
+# D = 128 with the "neg_inf_score" entry spills 4 B per thread (stores; 8 B loads) since the softmax's exponent became
 # a bare ex2.approx (issue 44; CUDA 12's ptxas: none). Rescaling O 8 tensor-memory columns at a
 # time (from 16) cleared the same spill on "padding"; 4 columns is not a TMEM load shape, and an
 # optimization barrier between the exponents and the rescale did not help.
-SPILL_BUDGET: dict = {("sm_100a", "fwd", 128): 4}
+SPILL_BUDGET: dict = {("sm_100a", "fwd", 128): 8}
 
 
 def _configs(quick: bool):
@@ -203,7 +203,8 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
                             f"{sorted(EXPECTED_OPS[arch])}")
         budget = SPILL_BUDGET.get((arch, short, D), 0)
         if max(res["spill_stores"], res["spill_loads"]) > budget:
-            problems.append(f"{short}: spills {res['spill_stores']} B (budget {budget} B)")
+            problems.append(f"{short}: spills {res['spill_stores']} B stored, {res['spill_loads']} B loaded "
+                            f"(budget {budget} B)")
         if res["registers"] is not None and res["registers"] > REG_LIMIT[short]:
             problems.append(f"{short}: {res['registers']} registers > {REG_LIMIT[short]}")
         if smem[short] > _kernels.SMEM_LIMIT:
