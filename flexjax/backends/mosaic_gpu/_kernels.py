@@ -120,7 +120,8 @@ LN2 = math.log(2.0)
 def _t(arch, tile):
     """A (n, D) shared-memory tile as the (D, n) operand of an MMA: its transposed view on the GPU; in
     the interpreter the tile was transposed in XLA (``_kt``) and is the operand itself."""
-    return plgpu.transpose_ref(tile, (1, 0)) if arch.views else tile
+    # ``ref.transpose``: what ``plgpu.transpose_ref`` did (deprecated in JAX 0.11.2, removed in 0.12.1).
+    return tile.transpose((1, 0)) if arch.views else tile
 
 
 def _kt(arch, x):

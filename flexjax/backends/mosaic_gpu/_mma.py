@@ -12,7 +12,7 @@ architectures:
 
 Each arch has a GPU form and an interpreter form (``emulate=True``), for what Mosaic GPU's
 interpreter cannot run. The GPU form reads K, V, Q and dO tiles through transposed views of their
-shared-memory tiles (``views``: ``plgpu.transpose_ref``; the interpreter has no transposed view,
+shared-memory tiles (``views``: ``ref.transpose``; the interpreter has no transposed view,
 so there the kernels take tiles transposed in XLA), and computes the softmax's exponent as one
 ``ex2.approx`` per element (``exp2``; exact ``jnp.exp2`` in the interpreter).
 
