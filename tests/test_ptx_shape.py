@@ -21,6 +21,7 @@ from ptx_shape import (  # noqa: E402
     instruction_mix,
     tensor_core_ops,
     wgmma_forms,
+    wgmma_serialized,
 )
 
 
@@ -145,3 +146,21 @@ def test_hlo_transposes_counts_4d_ones():
   %t = f32[1,1024,2,128]{3,2,1,0} convert(%param_0.64), metadata={op_name="transpose(jvp(x))"}
 """
     assert hlo_transposes(hlo) == ["1,2,128,1024"]
+
+
+def test_wgmma_serialized_names_the_kernel_and_the_reason():
+    report = (
+        "ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "non wgmma instructions defining input registers of a wgmma between start and end of the pipeline "
+        "stage in the function 'flexjax_mgpu_fwd_mosaic_gpu_kernel'\n"
+        "ptxas info    : Compiling entry function 'flexjax_mgpu_fwd_mosaic_gpu_kernel' for 'sm_90a'\n"
+        "ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem\n"
+        "ptxas info    : Compiling entry function 'flexjax_mgpu_dq_mosaic_gpu_kernel' for 'sm_90a'\n"
+        "ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem\n")
+    assert wgmma_serialized(report) == {
+        "flexjax_mgpu_fwd_mosaic_gpu_kernel": "non wgmma instructions defining input registers of a wgmma between "
+                                              "start and end of the pipeline stage"}
+    assert wgmma_serialized(report.split("\n", 1)[1]) == {}
+    assert wgmma_serialized(
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "insufficient register resources for the function 'k'\n") == {"k": "insufficient register resources"}

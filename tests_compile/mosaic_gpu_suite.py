@@ -8,12 +8,14 @@ head dims 64 and 128, bfloat16 and float16, MHA and GQA, and two entries with dr
 keep-mask hash in each kernel). Mosaic GPU writes each kernel's
 ``ptxas -v`` report (``MOSAIC_GPU_DUMP_PTXAS``); a kernel fails the suite if ptxas did not
 compile it for the configuration's arch or its PTX lacks the arch's tensor-core instructions
-(``EXPECTED_OPS``), if it spills, if its registers exceed what the launch
+(``EXPECTED_OPS``), if it spills, if ptxas serialized its wgmmas (``ptx_shape.wgmma_serialized``),
+if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
 its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on both), or, on
-sm_100a, if its tensor memory exceeds 512 columns. The table (``--out``) lists each kernel's
-warpgroup layout: one producer warpgroup (TMA, 40 registers after ``setmaxnreg``) and two
-consumer warpgroups (232); the dK/dV kernel, a producer and one consumer.
+sm_100a, if its tensor memory exceeds 512 columns; on sm_90a, also if its PTX is not in
+FlashAttention-3's shape (``ptx_shape.fa3_shape``). The table (``--out``) lists each kernel's
+warpgroup layout: one producer warpgroup (TMA, 32 registers after ``setmaxnreg``) and two
+consumer warpgroups (240); the dK/dV kernel, a producer and one or two consumers.
 
 The topology's devices carry no compute capability, which Mosaic GPU reads to name the arch in
 its module; the backend is told the arch by ``kernel_options["compute_capability"]`` (90 / 100)
@@ -40,7 +42,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from ptx_shape import TENSOR_CORE_OPS, bare_ex2, fa3_shape, hlo_transposes, tensor_core_ops, wgmma_forms  # noqa: E402
+from ptx_shape import (TENSOR_CORE_OPS, bare_ex2, fa3_shape, hlo_transposes, tensor_core_ops,  # noqa: E402
+                       wgmma_forms, wgmma_serialized)
 
 # (B, S, Hq, Hkv)
 HEADS = {"mha": (1, 1024, 2, 2), "gqa": (1, 1024, 4, 2)}
@@ -104,6 +107,9 @@ def _compile(f, args, mesh, dump_dir):
         compiled = jax.jit(f).trace(*args).lower().compile()
     text = "".join(open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*.ptxas"))))
     report = _parse_ptxas(text)
+    for name, reason in wgmma_serialized(text).items():
+        if name in report:
+            report[name]["wgmma_serialized"] = reason
     report["hlo_transposes"] = hlo_transposes(compiled.as_text())
     # Which tensor-core instructions each kernel's PTX holds (the dump names kernels "<name>_<n>.ptx").
     for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
@@ -201,6 +207,8 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
         if set(res.get("ptx_ops", ())) != EXPECTED_OPS[arch]:
             problems.append(f"{short}: PTX tensor-core instructions {res.get('ptx_ops')}, not "
                             f"{sorted(EXPECTED_OPS[arch])}")
+        if res.get("wgmma_serialized"):
+            problems.append(f"{short}: ptxas serialized its wgmmas ({res['wgmma_serialized']})")
         budget = SPILL_BUDGET.get((arch, short, D), 0)
         if max(res["spill_stores"], res["spill_loads"]) > budget:
             problems.append(f"{short}: spills {res['spill_stores']} B stored, {res['spill_loads']} B loaded "

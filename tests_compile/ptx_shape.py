@@ -123,6 +123,18 @@ def bare_ex2(ptx: str) -> int:
     return len(_EX2.findall(ptx)) - len(_EXPF.findall(ptx))
 
 
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized due to (.+?) (?:in|for) the function '([^']+)'")
+
+
+def wgmma_serialized(ptxas_report: str) -> dict[str, str]:
+    """{kernel: reason} for each kernel whose wgmmas ptxas serialized (its C7510-C7515 "Potential
+    Performance Loss" notes): each wgmma then waits for the previous one, so no MMA overlaps anything,
+    whatever the PTX's wait_group depths say. Reasons seen: "insufficient register resources",
+    "non wgmma instructions defining input registers of a wgmma between start and end of the
+    pipeline stage" (a register-A operand or accumulator written while its wgmma is in flight)."""
+    return {name: reason for reason, name in _SERIALIZED.findall(ptxas_report)}
+
+
 _HLO_TRANSPOSE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*\w+\[([\d,]*)\]\S*\s+transpose\(", re.M)
 
 
