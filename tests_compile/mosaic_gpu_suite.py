@@ -42,8 +42,15 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from ptx_shape import (TENSOR_CORE_OPS, bare_ex2, fa3_shape, hlo_transposes, tensor_core_ops,  # noqa: E402
-                       wgmma_forms, wgmma_serialized)
+from ptx_shape import (  # noqa: E402
+    TENSOR_CORE_OPS,
+    bare_ex2,
+    fa3_shape,
+    hlo_transposes,
+    tensor_core_ops,
+    wgmma_forms,
+    wgmma_serialized,
+)
 
 # (B, S, Hq, Hkv)
 HEADS = {"mha": (1, 1024, 2, 2), "gqa": (1, 1024, 4, 2)}
