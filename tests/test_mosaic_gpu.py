@@ -107,6 +107,30 @@ def test_refuses_gathers_by_both_indices():
     assert "both q_idx and kv_idx" in reason and "triton" in reason
 
 
+# Rows with many full tiles: at 32-key steps over 64-key blocks, the last CTA's rows (256-319, causal)
+# take 2 partial steps and 8 full ones, so the forward's pipelined loop (FlashAttention-3's
+# intra-warpgroup overlap: Q K^T of step t issued with P·V of step t - 1, ``_kernels.fwd_overlap``)
+# runs 7 times after its prologue; the catalog's shapes have at most one full tile per row.
+PIPELINED = dict(shape=(1, 320, 320, 2, 1, 64, 64), kernel_options={"compute_capability": 90, "block_kv": 32})
+
+
+@pytest.mark.mosaic_gpu
+@pytest.mark.parametrize("name", ["causal", "causal+soft_cap", "full"])
+def test_pipelined_full_tiles(name):
+    check_case("mosaic_gpu", name, PIPELINED["shape"], jnp.bfloat16, kernel_options=PIPELINED["kernel_options"])
+
+
+@pytest.mark.mosaic_gpu
+def test_pipelined_full_tiles_with_dropout():
+    """The same walk with dropout: the keep mask is applied in the pipelined steps' softmax."""
+    from test_dropout_kernels import check
+
+    from flexjax.backends import mosaic_gpu as backend
+
+    check(backend, "causal", kernel_options=PIPELINED["kernel_options"], shape=PIPELINED["shape"][:-1],
+          dtype=jnp.bfloat16)
+
+
 @pytest.mark.mosaic_gpu
 def test_dropout_on_blackwell():
     """Fused dropout on sm_100a's kernels (tcgen05 emulated) against the dense truth (tests/test_dropout_kernels.py's

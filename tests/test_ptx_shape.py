@@ -22,6 +22,7 @@ from ptx_shape import (  # noqa: E402
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
+    wgmma_waits,
 )
 
 
@@ -128,6 +129,9 @@ def test_bare_ex2_does_not_count_precise_expf():
     assert bare_ex2(EXPF + EX2 * 2) == 2
 
 
+WAIT0 = "\twgmma.wait_group.sync.aligned \t0;\n"
+
+
 def test_fa3_shape():
     good = _n(SMEM_A, 128) + _n(REG_A, 128) + EX2 * 64
     assert fa3_shape("fwd", good, qk_n=128, min_bare_ex2=64) == []
@@ -137,6 +141,12 @@ def test_fa3_shape():
     assert any("N = 64 < 128" in f for f in fails)
     assert any("no register-A" in f for f in fails)
     assert any("bare ex2" in f for f in fails)
+    # The intra-warpgroup overlap: a wait that leaves the P·V group in flight.
+    waits = "\twgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned \t1;\n"
+    assert wgmma_waits(waits + WAIT0) == [1, 0]
+    assert fa3_shape("fwd", good + waits, qk_n=128, min_bare_ex2=64, overlap=True) == []
+    assert any("no MMA overlaps" in f for f in fa3_shape("fwd", good + WAIT0, qk_n=128, min_bare_ex2=64,
+                                                         overlap=True))
 
 
 def test_hlo_transposes_counts_4d_ones():

@@ -118,6 +118,15 @@ def wgmma_forms(ptx: str) -> list[tuple[int, bool]]:
     return [(int(n), bool(brace)) for n, brace in _WGMMA_FORM.findall(ptx)]
 
 
+_WGMMA_WAIT = re.compile(r"^\s*wgmma\.wait_group\.sync\.aligned\s+(\d+)\s*;", re.M)
+
+
+def wgmma_waits(ptx: str) -> list[int]:
+    """The N of each ``wgmma.wait_group N`` in a PTX: N >= 1 leaves N groups in flight (an MMA still
+    running while the code after the wait does; the forward's intra-warpgroup overlap)."""
+    return [int(n) for n in _WGMMA_WAIT.findall(ptx)]
+
+
 def bare_ex2(ptx: str) -> int:
     """How many ``ex2.approx.ftz.f32`` are bare exponents, not the core of a precise ``expf``."""
     return len(_EX2.findall(ptx)) - len(_EXPF.findall(ptx))
@@ -144,13 +153,15 @@ def hlo_transposes(hlo: str, rank: int = 4) -> list[str]:
     return [shape for shape in _HLO_TRANSPOSE.findall(hlo) if shape.count(",") == rank - 1]
 
 
-def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int) -> list[str]:
+def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int, overlap: bool = False) -> list[str]:
     """What keeps an sm_90a mosaic_gpu kernel's PTX from FlashAttention-3's shape.
 
     ``kind``: "fwd", "dq" or "dkv". ``qk_n``: the least N its score products (Q K^T in the forward,
     S and dP in dQ, S^T and dP^T in dK/dV: the wgmmas that read A from shared memory) must have.
     Each kernel needs at least one register-A wgmma (P·V, dS·K, P^T·dO and dS^T·Q take A from
-    registers) and ``min_bare_ex2`` bare ``ex2.approx`` exponents (a tile's elements per thread)."""
+    registers) and ``min_bare_ex2`` bare ``ex2.approx`` exponents (a tile's elements per thread);
+    with ``overlap``, a ``wgmma.wait_group`` that leaves a group in flight (the softmax running
+    while P·V does)."""
     forms = wgmma_forms(ptx)
     fails = []
     smem_a = [n for n, reg in forms if not reg]
@@ -160,6 +171,8 @@ def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int) -> list[str]
         fails.append(f"{kind}: score wgmma N = {min(smem_a)} < {qk_n}")
     if not any(reg for _, reg in forms):
         fails.append(f"{kind}: no register-A wgmma")
+    if overlap and not any(n >= 1 for n in wgmma_waits(ptx)):
+        fails.append(f"{kind}: every wgmma.wait_group waits for all groups (no MMA overlaps the softmax)")
     if bare_ex2(ptx) < min_bare_ex2:
         fails.append(f"{kind}: {bare_ex2(ptx)} bare ex2.approx < {min_bare_ex2} (the softmax's exponent is not "
                      "exp2(approx))")

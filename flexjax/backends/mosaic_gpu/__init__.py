@@ -119,7 +119,8 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
     128, 64 keys: sliding window + ALiBi + dropout spilled 240 B per thread at 128). The backward's
     dQ takes 64-key steps (S and dP m64n64). dK/dV takes 64-query steps at head dim 64 and 32 at
     128: there its dK and dV accumulators (128 registers a thread) with 64-wide S^T and dP^T tiles
-    spilled 8-160 B per thread on 9 of 17 configurations (none at 32).
+    spilled 8-108 B per thread on 10 of 18 configurations (none at 32), with an elementwise
+    score_mod's slope folded into P (8-160 B on 9 of 17 before that).
     sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
     (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
     thread (sliding window + ALiBi, D = 64 and 128), none at 32."""

@@ -69,6 +69,17 @@ def dkv_consumers(arch, D: int) -> int:
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 32, 240
 
 
+def fwd_overlap(arch, D: int) -> bool:
+    """Whether the forward runs its full tiles pipelined, FlashAttention-3's intra-warpgroup
+    overlap (sm_90a, both head dims): each step issues Q K^T of its tile with P·V of the previous
+    one and runs its softmax while P·V is in flight. The partial tiles (those the mask_mod is
+    applied to) stay one tile per step: with the overlap there, ptxas hoisted the mask's index
+    arithmetic into the Q K^T wait (live registers peaked at 238 of 240) and 184-372 B per thread
+    spilled (chunked_causal, neg_inf_score, sliding window + ALiBi at D = 64). sm_100a's tcgen05
+    unit waits for each MMA as it is issued: it has no overlapping form."""
+    return arch.name == "sm_90a"
+
+
 def cta_rows(arch) -> int:
     """Query rows of a forward / dQ CTA: 128 on sm_90a, 256 on sm_100a."""
     return arch.rows * CONSUMERS
@@ -351,12 +362,87 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 plgpu.barrier_wait(sched)
 
             pl.when(wg == 1)(sched_barrier)
-            # sm_90a waits for the next K tile while P·V runs; sm_100a's tcgen05 unit waits for each
-            # MMA as soon as it is issued, so there it waits at the step's start (the early wait
-            # spilled 8 B per thread in the sm_100a forward, "padding", D = 128).
+            def softmax(t, ks, s, masked, m, l):
+                """Step t's scores (keys ``ks ..``) -> its probabilities (16-bit, dropout applied)
+                and the new row max / sum / rescale factor; ``masked``: a partial tile."""
+                slot = _rem(t, stages)
+                # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
+                # score_mod reads the natural-unit score, else applied after it.
+                s = s * (scale * LOG2E) if mods.score is None else s * scale
+                q_iota = q0 + arch.iota(shape, 0)
+                q_idx = jnp.minimum(q_iota, g.q_len - 1)
+                row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
+                kv_iota = ks + arch.iota(shape, 1)
+                kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
+                col_vals = []
+                for c in range(n_cols):
+                    plgpu.barrier_wait(col_bar.at[c * stages + slot])
+                    col_vals.append(arch.broadcast(
+                        _load(arch, col_smem[c].at[slot], 1), shape, [1]))
+                srows, mrows = row_vals[:n_srows], row_vals[n_srows:]
+                scols, mcols = tuple(col_vals[:n_scols]), tuple(col_vals[n_scols:])
+                if mods.score is not None:
+                    s = _mod_tile(mods.score, s, b, h, q_idx, kv_idx,
+                                  _cast_back(mods.score, srows, mods.score.rows),
+                                  _cast_back(mods.score, scols, mods.score.cols)) * LOG2E
+                if masked:
+                    ok = (q_iota < g.q_len) & (kv_iota < g.kv_len)
+                    if mods.mask is not None:
+                        ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx,
+                                            _cast_back(mods.mask, mrows, mods.mask.rows),
+                                            _cast_back(mods.mask, mcols, mods.mask.cols))
+                    s = jnp.where(ok, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = arch.exp2(s - arch.broadcast(m_use, shape, [0]))
+                alpha = jnp.exp2(m - m_use)
+                l = l * alpha + p.sum(axis=1)
+                if drop is not None:
+                    p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
+                return p.astype(dtype), m_new, l, alpha
+
+            overlap = fwd_overlap(arch, D)
+            m0, l0 = arch.full(R, -jnp.inf), arch.full(R, 0.0)
+
+            def pipelined_step(t, carry):  # a full tile: its Q K^T with P·V of tile t - 1
+                p, m, l, acc = carry
+                slot, prev = _rem(t, stages), _rem(t - 1, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+                (p, m, l, alpha), acc = unit.qk_pv(
+                    my_q, _t(arch, k_smem.at[slot]), acc, "o", arch.a_operand(p, my_p, dtype),
+                    v_smem.at[prev], lambda s: softmax(t, walk.tile(t) * tk, s, False, m, l), (p, m, l, m),
+                    after=sched_barrier)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[prev])
+                return p, m, l, unit.scale(acc, "o", alpha)
+
+            def pipelined(carry):
+                """The full tiles (steps n_partial .. n), FlashAttention-3's intra-warpgroup overlap:
+                the first tile's Q K^T and softmax, then each step's Q K^T with the previous tile's
+                P·V (``unit.qk_pv``), then the last P·V."""
+                m, l, acc = carry
+                t0 = walk.n_partial
+                slot = _rem(t0, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m, l, alpha = softmax(t0, walk.tile(t0) * tk, s, False, m, l)
+                carry = (p, m, l, unit.scale(acc, "o", alpha))
+                p, m, l, acc = lax.fori_loop(t0 + 1, walk.n, pipelined_step, carry)
+                last = _rem(walk.n - 1, stages)
+                plgpu.barrier_wait(v_bar.at[last])
+                acc = unit.add(acc, "o", arch.a_operand(p, my_p, dtype), v_smem.at[last], after=sched_barrier)
+                plgpu.barrier_arrive(v_free.at[last])
+                return m, l, acc
+
+            # One tile per step: Q K^T, the softmax, P·V. sm_90a waits for the next K tile while P·V
+            # runs; sm_100a's tcgen05 unit waits for each MMA as soon as it is issued, so there it
+            # waits at the step's start (the early wait spilled 8 B per thread in the sm_100a
+            # forward, "padding", D = 128).
             early_k = arch.name == "sm_90a"
 
-            def step(masked):
+            def serial_step(masked):
                 def body(t, carry):
                     m, l, acc = carry
                     slot = _rem(t, stages)
@@ -366,65 +452,39 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                         plgpu.barrier_wait(k_bar.at[slot])
                     s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
-                    # score_mod reads the natural-unit score, else applied after it.
-                    s = s * (scale * LOG2E) if mods.score is None else s * scale
-                    q_iota = q0 + arch.iota(shape, 0)
-                    q_idx = jnp.minimum(q_iota, g.q_len - 1)
-                    row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
-                    kv_iota = ks + arch.iota(shape, 1)
-                    kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
-                    col_vals = []
-                    for c in range(n_cols):
-                        plgpu.barrier_wait(col_bar.at[c * stages + slot])
-                        col_vals.append(arch.broadcast(
-                            _load(arch, col_smem[c].at[slot], 1), shape, [1]))
-                    srows, mrows = row_vals[:n_srows], row_vals[n_srows:]
-                    scols, mcols = tuple(col_vals[:n_scols]), tuple(col_vals[n_scols:])
-                    if mods.score is not None:
-                        s = _mod_tile(mods.score, s, b, h, q_idx, kv_idx,
-                                      _cast_back(mods.score, srows, mods.score.rows),
-                                      _cast_back(mods.score, scols, mods.score.cols)) * LOG2E
-                    if masked:
-                        ok = (q_iota < g.q_len) & (kv_iota < g.kv_len)
-                        if mods.mask is not None:
-                            ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx,
-                                                _cast_back(mods.mask, mrows, mods.mask.rows),
-                                                _cast_back(mods.mask, mcols, mods.mask.cols))
-                        s = jnp.where(ok, s, -jnp.inf)
-                    m_new = jnp.maximum(m, s.max(axis=1))
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                    p = arch.exp2(s - arch.broadcast(m_use, shape, [0]))
-                    alpha = jnp.exp2(m - m_use)
-                    l = l * alpha + p.sum(axis=1)
+                    p, m, l, alpha = softmax(t, ks, s, masked, m, l)
                     acc = unit.scale(acc, "o", alpha)
-                    if drop is not None:
-                        p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
                     pa = arch.a_operand(p, my_p, dtype)
                     plgpu.barrier_wait(v_bar.at[slot])
 
                     def pv_issued():  # while P·V runs: hand over the tensor cores, wait for the next K
                         sched_barrier()
                         if early_k:
-                            @pl.when(t + 1 < walk.n)
+                            @pl.when(t + 1 < early_end)
                             def _():
                                 plgpu.barrier_wait(k_bar.at[_rem(t + 1, stages)])
 
                     acc = unit.add(acc, "o", pa, v_smem.at[slot], after=pv_issued)
                     plgpu.barrier_arrive(v_free.at[slot])
-                    return m_new, l, acc
+                    return m, l, acc
 
                 return body
 
-            m, l = arch.full(R, -jnp.inf), arch.full(R, 0.0)
-
+            # The partial tiles one step each; with overlap the full tiles then run pipelined
+            # (``pipelined`` waits for its own K tiles, so the early waits stop at the last partial
+            # tile). A row with no full tile skips it.
+            early_end = walk.n_partial if overlap else walk.n
             if early_k:
-                @pl.when(walk.n > 0)
+                @pl.when(early_end > 0)
                 def _():
                     plgpu.barrier_wait(k_bar.at[0])
 
-            carry = lax.fori_loop(0, walk.n_partial, step(True), (m, l, unit.zeros("o")))
-            m, l, acc = lax.fori_loop(walk.n_partial, walk.n, step(False), carry)
+            carry = lax.fori_loop(0, walk.n_partial, serial_step(True), (m0, l0, unit.zeros("o")))
+            if overlap:
+                carry = lax.cond(walk.n > walk.n_partial, pipelined, lambda c: c, carry)
+            else:
+                carry = lax.fori_loop(walk.n_partial, walk.n, serial_step(False), carry)
+            m, l, acc = carry
             pl.when(wg == 0)(sched_barrier)
             alive = l > 0
             inv = jnp.where(alive, 1.0 / jnp.where(alive, l, 1.0), 0.0)
@@ -550,10 +610,16 @@ def _tile_probs(arch, mods, qk, scale, lse2, delta, dp, b, h, q_idx, kv_idx, val
     """
     srows, mrows = rows[:n_srows], rows[n_srows:]
     scols, mcols = cols[:n_scols], cols[n_scols:]
-    vjp = None
+    vjp = slope = None
     if mods.score is not None:
         s, vjp = _score_vjp(mods.score, qk * scale, b, h, q_idx, kv_idx, srows, scols)
         s2 = s * LOG2E
+        if not any(_is_float(x) for x in (*srows, *scols)):
+            # No hoisted float to differentiate: the VJP is the mod's elementwise slope times dS
+            # (scalar semantics), so the slope is taken now and folded into P below; the mod's
+            # residuals (soft-cap's tanh tile) need not live across dP.
+            slope = vjp(plgpu.layout_cast(jnp.full(qk.shape, 1.0, jnp.float32), arch.layout(None)))[0]
+            vjp = None
     else:
         s2 = qk * (scale * LOG2E)  # log2(e) folded into the scale
     p = arch.exp2(s2 - lse2)
@@ -566,6 +632,8 @@ def _tile_probs(arch, mods, qk, scale, lse2, delta, dp, b, h, q_idx, kv_idx, val
     pv = p if keep is None else jnp.where(keep, p * inv_keep, 0.0)
     if on_p is not None:
         on_p(pv)
+    if slope is not None:
+        p = p * slope
     dp = dp() if callable(dp) else dp
     delta = delta() if callable(delta) else delta
     if keep is not None:

@@ -8,7 +8,9 @@ architectures:
   read by the caller; ``after`` runs once the MMA is issued (the forward's ping-pong barrier);
 - ``zeros(name)``, ``add(acc, name, a, b, after)``, ``scale(acc, name, alpha)``,
   ``chunks(acc, name)``: a running ``(rows, D)`` float32 accumulator (``O``, ``dQ``, ``dK``,
-  ``dV``) that the caller threads through its loops as ``acc``.
+  ``dV``) that the caller threads through its loops as ``acc``;
+- ``qk_pv(...)`` (Hopper only): a fresh product and an accumulating one issued together, with a
+  function of the fresh one computed while the other runs (the forward's intra-warpgroup overlap).
 
 Each arch has a GPU form and an interpreter form (``emulate=True``), for what Mosaic GPU's
 interpreter cannot run. The GPU form reads K, V, Q and dO tiles through transposed views of their
@@ -168,6 +170,41 @@ class _WgmmaUnit:
             last = after if c == len(acc) - 1 else None
             out.append(x + self.fresh(a, b.at[:, pl.ds(c * CHUNK, CHUNK)], last))
         return tuple(out)
+
+    def qk_pv(self, a, b, acc, name, pa, v, soft, like, after=None):
+        """FlashAttention-3's intra-warpgroup overlap: ``s = a @ b`` and ``acc += pa @ v`` issued
+        together (``after`` once both are), then ``soft(s)`` computed while the second MMA runs.
+        Returns (``soft(s)``, the new ``acc``); ``like``: arrays of ``soft``'s output shapes,
+        dtypes and layouts.
+
+        In place, both accumulators live in one ``pl.run_state``: ``s`` is read with
+        ``wgmma_accumulator_load(wait_n=...)``, which waits for the Q K^T group only, and
+        ``soft``'s outputs leave through plain state the run discharges. The interpreter's form
+        issues P·V then Q K^T one after the other."""
+        if not self.in_place:
+            acc = self.add(acc, name, pa, v)
+            return soft(self.fresh(a, b, after)), acc
+        n, w = len(acc), self._width(name)
+        s0 = plgpu.layout_cast(jnp.full((self.arch.rows, b.shape[1]), 0.0, jnp.float32),
+                               self.arch.layout(None))
+
+        def mma(refs):
+            o_refs, s_ref, out_refs = refs[:n], refs[n], refs[n + 1:]
+            plgpu.wgmma(s_ref, a, b)
+            for c, ref in enumerate(o_refs):
+                plgpu.wgmma(ref, pa, v if n == 1 else v.at[:, pl.ds(c * w, w)])
+            if after is not None:
+                after()
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=n)
+            for ref, x in zip(out_refs, soft(s)):
+                ref[...] = x
+
+        outs = pl.run_state(mma)((*(plgpu.ACC.init(x) for x in acc), plgpu.ACC.init(s0), *like))
+        # P·V reads ``pa``'s registers until the run's closing wait: an optimization barrier after
+        # that wait keeps them live, so the new P is not computed into them while P·V runs (ptxas
+        # then serializes every wgmma, C7513: "non wgmma instructions defining input registers").
+        _, first = lax.optimization_barrier((pa, outs[n + 1]))
+        return (first, *outs[n + 2:]), tuple(outs[:n])
 
     def scale(self, acc, name, alpha):
         return tuple(x * self.arch.broadcast(alpha, x.shape, [0]) for x in acc)
