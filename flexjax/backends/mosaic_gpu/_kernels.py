@@ -362,6 +362,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 plgpu.barrier_wait(sched)
 
             pl.when(wg == 1)(sched_barrier)
+
             def softmax(t, ks, s, masked, m, l):
                 """Step t's scores (keys ``ks ..``) -> its probabilities (16-bit, dropout applied)
                 and the new row max / sum / rescale factor; ``masked``: a partial tile."""
