@@ -206,7 +206,7 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             tile = (R_OF[arch] * {"fwd": o.block_kv, "dq": o.bwd_block_kv, "dkv": o.bwd_block_q}[short]) // 128
             if arch == "sm_90a":
                 problems += fa3_shape(short, ptx, qk_n=score_n_floor(short, D, dropout), min_bare_ex2=tile,
-                                      overlap=short == "fwd" and _kernels.fwd_overlap(unit, D))
+                                      overlap=short == "fwd" and _kernels.fwd_overlap(unit))
             elif res["bare_ex2"] < tile:
                 problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
         row[short] = {**(res or {}), "smem": smem[short], **({"tmem": tmem[short]} if tmem else {})}

@@ -69,7 +69,7 @@ def dkv_consumers(arch, D: int) -> int:
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 32, 240
 
 
-def fwd_overlap(arch, D: int) -> bool:
+def fwd_overlap(arch) -> bool:
     """Whether the forward runs its full tiles pipelined, FlashAttention-3's intra-warpgroup
     overlap (sm_90a, both head dims): each step issues Q K^T of its tile with P·V of the previous
     one and runs its softmax while P·V is in flight. The partial tiles (those the mask_mod is
@@ -402,7 +402,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
                 return p.astype(dtype), m_new, l, alpha
 
-            overlap = fwd_overlap(arch, D)
+            overlap = fwd_overlap(arch)
             m0, l0 = arch.full(R, -jnp.inf), arch.full(R, 0.0)
 
             def pipelined_step(t, carry):  # a full tile: its Q K^T with P·V of tile t - 1
@@ -418,18 +418,24 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 plgpu.barrier_arrive(v_free.at[prev])
                 return p, m, l, unit.scale(acc, "o", alpha)
 
+            def qk_softmax(t, masked, wait_k, m, l, acc):
+                """Q K^T of step t alone, its softmax, and O rescaled: a serial step's first half,
+                and the pipelined part's first full tile."""
+                slot = _rem(t, stages)
+                ks = walk.tile(t) * tk
+                if wait_k:
+                    plgpu.barrier_wait(k_bar.at[slot])
+                s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p, m, l, alpha = softmax(t, ks, s, masked, m, l)
+                return p, m, l, unit.scale(acc, "o", alpha)
+
             def pipelined(carry):
                 """The full tiles (steps n_partial .. n), FlashAttention-3's intra-warpgroup overlap:
                 the first tile's Q K^T and softmax, then each step's Q K^T with the previous tile's
                 P·V (``unit.qk_pv``), then the last P·V."""
-                m, l, acc = carry
                 t0 = walk.n_partial
-                slot = _rem(t0, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
-                plgpu.barrier_arrive(k_free.at[slot])
-                p, m, l, alpha = softmax(t0, walk.tile(t0) * tk, s, False, m, l)
-                carry = (p, m, l, unit.scale(acc, "o", alpha))
+                carry = qk_softmax(t0, False, True, *carry)
                 p, m, l, acc = lax.fori_loop(t0 + 1, walk.n, pipelined_step, carry)
                 last = _rem(walk.n - 1, stages)
                 plgpu.barrier_wait(v_bar.at[last])
@@ -445,16 +451,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
             def serial_step(masked):
                 def body(t, carry):
-                    m, l, acc = carry
                     slot = _rem(t, stages)
-                    ks = walk.tile(t) * tk
                     # On sm_90a K's tile was waited for while the previous step's P·V ran (``pv_issued``).
-                    if not early_k:
-                        plgpu.barrier_wait(k_bar.at[slot])
-                    s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    p, m, l, alpha = softmax(t, ks, s, masked, m, l)
-                    acc = unit.scale(acc, "o", alpha)
+                    p, m, l, acc = qk_softmax(t, masked, not early_k, *carry)
                     pa = arch.a_operand(p, my_p, dtype)
                     plgpu.barrier_wait(v_bar.at[slot])
 
