@@ -132,6 +132,14 @@ def test_pipelined_full_tiles_with_dropout():
 
 
 @pytest.mark.mosaic_gpu
+def test_head_dim_128_backward():
+    """Head dim 128 with the default tiles: dK/dV's two consumer warpgroups (128 key rows per CTA,
+    the second padded: 200 keys) and 32-query steps, with a score_mod whose slope is folded into P."""
+    check_case("mosaic_gpu", "causal+soft_cap", (1, 160, 200, 2, 1, 128, 128), jnp.bfloat16,
+               kernel_options={"compute_capability": 90})
+
+
+@pytest.mark.mosaic_gpu
 def test_dropout_on_blackwell():
     """Fused dropout on sm_100a's kernels (tcgen05 emulated) against the dense truth (tests/test_dropout_kernels.py's
     harness: out, lse, dq, dk, dv through the backend's forward_with_residuals and backward): the kernels
@@ -176,7 +184,9 @@ def test_fa3_tiles_and_forms():
     gpu, interp = _mma.Hopper(), _mma.Hopper(emulate=True)
     assert gpu.views and gpu.register_a and not interp.views and not interp.register_a
     assert _mma.Blackwell().views and not _mma.Blackwell().register_a
-    assert _kernels.dkv_consumers(gpu, 64) == 2 and _kernels.dkv_consumers(gpu, 128) == 1
+    # Two dK/dV consumers on sm_90a (in the interpreter too: the same kernel), one on sm_100a.
+    assert _kernels.dkv_consumers(gpu) == _kernels.dkv_consumers(interp) == 2
+    assert _kernels.dkv_rows(gpu) == 128 and _kernels.dkv_rows(_mma.Blackwell()) == 128
     # No P tile and no transposed copies in the GPU form's shared memory.
     assert _kernels.smem_bytes(128, 128, 32, 2, gpu)["fwd"] < _kernels.smem_bytes(128, 128, 32, 2, interp)["fwd"]
 

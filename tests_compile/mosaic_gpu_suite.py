@@ -15,7 +15,7 @@ its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on
 sm_100a, if its tensor memory exceeds 512 columns; on sm_90a, also if its PTX is not in
 FlashAttention-3's shape (``ptx_shape.fa3_shape``). The table (``--out``) lists each kernel's
 warpgroup layout: one producer warpgroup (TMA, 32 registers after ``setmaxnreg``) and two
-consumer warpgroups (240); the dK/dV kernel, a producer and one or two consumers.
+consumer warpgroups (240); the dK/dV kernel, a producer and two consumers on sm_90a, one on sm_100a.
 
 The topology's devices carry no compute capability, which Mosaic GPU reads to name the arch in
 its module; the backend is told the arch by ``kernel_options["compute_capability"]`` (90 / 100)
@@ -143,7 +143,8 @@ def score_n_floor(kernel: str, D: int, dropout: bool) -> int:
     """The least N of an sm_90a kernel's score wgmmas (``ptx_shape.fa3_shape``): FlashAttention-3's 128
     keys in the forward and 64 in the backward's S and dP, except where the heuristics (``mosaic_gpu.
     heuristics``) keep narrower tiles because the wider ones spilled: the forward with dropout at
-    head dim 128 (64 keys: 240 B spilled at 128), dK/dV at head dim 128 (32 queries: 8-160 B)."""
+    head dim 128 (64 keys: 240 B spilled at 128), dK/dV at head dim 128 (32 queries: its two
+    consumers spilled 12-224 B at 64)."""
     if kernel == "fwd":
         return 64 if dropout and D > 64 else 128
     if kernel == "dkv" and D > 64:
@@ -182,7 +183,7 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
            "arch": arch,
            # producer + consumers x rows, per kernel (forward, dQ, dK/dV)
            "warpgroups": f"1+{_kernels.CONSUMERS}x{unit.rows}, 1+{_kernels.CONSUMERS}x{unit.rows}, "
-                         f"1+{_kernels.dkv_consumers(unit, D)}x{unit.rows}"}
+                         f"1+{_kernels.dkv_consumers(unit)}x{unit.rows}"}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as dump:
         try:
@@ -244,9 +245,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the first few configurations only")
     ap.add_argument("--arch", choices=[a for a, _, _ in ARCHS], help="one arch, in this process")
     ap.add_argument("--rows", default=None, help="with --arch: where to write the rows (JSON)")
+    # Experiments (with --arch): a subset of the configurations, and other tiles than the defaults.
+    ap.add_argument("--case", default="", help="with --arch: the configurations whose case name contains this")
+    ap.add_argument("--head-dim", type=int, choices=HEAD_DIMS, help="with --arch: one head dim")
+    ap.add_argument("--bwd-block-q", type=int, help="with --arch: dK/dV's query step instead of the heuristics'")
+    ap.add_argument("--block-kv", type=int, help="with --arch: the forward's key step instead of the heuristics'")
+    ap.add_argument("--dkv-consumers", type=int, choices=(1, 2), help="with --arch: dK/dV's consumer warpgroups")
     args = ap.parse_args(argv)
     if args.arch is None:
         return _each_arch(args)
+    _experiment(args)
 
     import numpy as np
     from jax.experimental import topologies
@@ -265,12 +273,33 @@ def main(argv=None) -> int:
         mesh = mesh_for(config)
         sh = NamedSharding(mesh, P())
         for config in _configs(args.quick):
+            name, D, *_, dropout = config
+            if args.case not in name + ("+dropout" if dropout else "") or args.head_dim not in (None, D):
+                continue
             rows.append(_compile_config(*config, arch, cc, mesh, sh))
             print(json.dumps(rows[-1]), flush=True)
     if args.rows:
         with open(args.rows, "w") as f:
             json.dump(rows, f)
     return 0
+
+
+def _experiment(args) -> None:
+    """Replaces the defaults that ``args`` overrides: ``heuristics``' tiles, ``dkv_consumers``; the score
+    N floor is then the tiles' own (the row's ``score_n`` says what the PTX has)."""
+    import dataclasses
+
+    import flexjax.backends.mosaic_gpu as backend
+    from flexjax.backends.mosaic_gpu import _kernels
+
+    tiles = {k: v for k, v in (("bwd_block_q", args.bwd_block_q), ("block_kv", args.block_kv)) if v}
+    if tiles:
+        default = backend.heuristics
+        backend.heuristics = lambda *a, **kw: dataclasses.replace(default(*a, **kw), **tiles)
+        global score_n_floor
+        score_n_floor = lambda kernel, D, dropout: 0  # noqa: E731
+    if args.dkv_consumers:
+        _kernels.dkv_consumers = lambda arch: args.dkv_consumers
 
 
 def _each_arch(args) -> int:
@@ -293,9 +322,10 @@ def _each_arch(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write("# mosaic_gpu kernels compiled for sm_90a and sm_100a (tests_compile/mosaic_gpu_suite.py)\n\n")
-            f.write("Warpgroups per CTA: forward and dQ, 1 producer (TMA; setmaxnreg 24) + 2 consumers (setmaxnreg "
+            f.write("Warpgroups per CTA: forward and dQ, 1 producer (TMA; setmaxnreg 32) + 2 consumers (setmaxnreg "
                     "240) of 64 query rows each on sm_90a (wgmma, accumulators in registers), 128 on sm_100a "
-                    "(tcgen05, accumulators in tensor memory); dK/dV, 1 producer + 1 consumer (64 / 128 key rows). "
+                    "(tcgen05, accumulators in tensor memory); dK/dV, 1 producer + 2 consumers of 64 key rows on "
+                    "sm_90a, 1 producer + 1 consumer of 128 on sm_100a. "
                     "Per kernel: registers (ptxas' count per thread: at most 168 for 384 threads, 255 for 256) / "
                     "spill (bytes stored per thread) / shared memory KiB (`_kernels.smem_bytes`) [/ TMEM columns "
                     "of the sm_100a kernels, of 512]; then, from the PTX: the score MMA's N (sm_90a: the least N "

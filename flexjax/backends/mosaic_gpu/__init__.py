@@ -117,10 +117,11 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
     sm_90a: 128 query rows per CTA, 128 keys per forward step (FlashAttention-3's tile: the Q K^T
     wgmma is m64n128, P stays in registers as the P·V wgmma's A operand; with dropout at head dim
     128, 64 keys: sliding window + ALiBi + dropout spilled 240 B per thread at 128). The backward's
-    dQ takes 64-key steps (S and dP m64n64). dK/dV takes 64-query steps at head dim 64 and 32 at
-    128: there its dK and dV accumulators (128 registers a thread) with 64-wide S^T and dP^T tiles
-    spilled 8-108 B per thread on 10 of 18 configurations (none at 32), with an elementwise
-    score_mod's slope folded into P (8-160 B on 9 of 17 before that).
+    dQ takes 64-key steps (S and dP m64n64). dK/dV (two consumer warpgroups, ``_kernels.
+    dkv_consumers``) takes 64-query steps at head dim 64 and 32 at 128: there a thread's dK and
+    dV accumulators take 128 of its 240 registers, and with 64-wide S^T and dP^T tiles 17 of 18
+    configurations spilled 12-224 B per thread (none at 32). One consumer with 255 registers
+    spilled on 10 of 18 at 64 (8-108 B).
     sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
     (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
     thread (sliding window + ALiBi, D = 64 and 128), none at 32."""
@@ -165,9 +166,9 @@ def validate_options(spec) -> None:
             raise ValueError(f"kernel_options[{f!r}] must be >= 2 (the depth of the TMA ring), got {val}")
 
 
-def _tile_reason(spec, o: KernelOptions, head_dim: int) -> str | None:
+def _tile_reason(spec, o: KernelOptions) -> str | None:
     arch = _arch(o)
-    cta, dkv = _kernels.cta_rows(arch), _kernels.dkv_rows(arch, head_dim)
+    cta, dkv = _kernels.cta_rows(arch), _kernels.dkv_rows(arch)
     if o.block_q != cta:
         return (f"the mosaic_gpu forward takes block_q={cta} on {arch.name} (two warpgroups of {arch.rows} rows), "
                 f"got {o.block_q}")
@@ -210,7 +211,7 @@ def resolve(spec, q, k, v) -> KernelOptions | str:
         return (f"Mosaic GPU's interpreter needs at least {_INTERPRETER_THREADS} XLA:CPU threads (its simulated "
                 f"warpgroups block on barriers), and this host gives XLA {_xla_cpu_threads()}; set NPROC=16 in the "
                 "environment before JAX starts, or use backend='pallas' or 'xla' on CPU")
-    reason = _tile_reason(spec, o, D)
+    reason = _tile_reason(spec, o)
     if reason is not None:
         return reason
     smem = _kernels.smem_bytes(D, o.block_kv, o.bwd_block_q, o.num_stages, _arch(o))
@@ -292,7 +293,7 @@ def backward(spec, q, k, v, out, lse, dout, dlse, score_consts, mask_consts, lis
     # rows): both pad to the larger of their sequence lengths, with the lists regrouped for each.
     arch = _arch(o)
     gq, lists_q = geometry(spec, q, k, lists, _kernels.cta_rows(arch), o.bwd_block_kv)
-    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.dkv_rows(arch, q.shape[-1]))
+    gk, lists_kv = geometry(spec, q, k, lists, o.bwd_block_q, _kernels.dkv_rows(arch))
     sq, skv = max(gq.sq, gk.sq), max(gq.skv, gk.skv)
     g, gk = dataclasses.replace(gq, sq=sq, skv=skv), dataclasses.replace(gk, sq=sq, skv=skv)
     qp, kp, vp = pad_axis(q, 1, sq), pad_axis(k, 1, skv), pad_axis(v, 1, skv)

@@ -54,14 +54,16 @@ from ._mma import LOG2E
 CONSUMERS = 2
 
 
-def dkv_consumers(arch, D: int) -> int:
-    """Consumer warpgroups of the dK/dV kernel, each owning ``arch.rows`` key rows. Two on sm_90a at
-    head dim 64 (FlashAttention-3's backward: 240 registers a thread after ``setmaxnreg``). One
-    elsewhere: at D = 128 its dK and dV accumulators (2 x 64 x D float32, in registers) with the S^T
-    and dP^T tiles need more registers than a thread of a three-warpgroup CTA gets (the two-consumer
-    form spilled 424 B per thread), and a lone consumer's thread has 255; on sm_100a two consumers'
-    accumulators at D = 128 would pass the 512 tensor-memory columns."""
-    return 2 if arch.name == "sm_90a" and D <= 64 else 1
+def dkv_consumers(arch) -> int:
+    """Consumer warpgroups of the dK/dV kernel, each owning ``arch.rows`` key rows: two on sm_90a
+    (FlashAttention-3's backward: 240 registers a thread after ``setmaxnreg``; the two share each
+    Q / dO tile the producer loads, and one's softmax runs while the other's MMAs do). At head dim
+    128 a thread then holds 128 registers of dK and dV accumulators, and the 32-query steps
+    (``heuristics``) compile spill-free on every catalog entry; 64-query steps spilled 12-224 B
+    per thread on 17 of 18. One on sm_100a, whose warpgroups own 128 rows: two consumers'
+    accumulators at D = 128 would pass the 512 tensor-memory columns, and at 64 their 256 key rows
+    span two of the BlockMask's default 128-blocks (tile lists regrouped in XLA)."""
+    return 2 if arch.name == "sm_90a" else 1
 
 
 # Registers a thread after ``setmaxnreg`` in a CTA of a producer and two consumer warpgroups
@@ -85,9 +87,9 @@ def cta_rows(arch) -> int:
     return arch.rows * CONSUMERS
 
 
-def dkv_rows(arch, D: int) -> int:
+def dkv_rows(arch) -> int:
     """Key rows of a dK/dV CTA: ``arch.rows`` per consumer (``dkv_consumers``)."""
-    return arch.rows * dkv_consumers(arch, D)
+    return arch.rows * dkv_consumers(arch)
 
 
 def compiler_params():
@@ -650,7 +652,7 @@ def backward(gq: Geom, gk: Geom, mods: Mods, scale: float, q, k, v, do, lse, del
     """dQ, dK, dV (padded) and the score_mod's row / column gradients.
 
     ``gq``: the dQ kernel's geometry (``cta_rows(arch)`` query rows per CTA, ``gq.tk`` keys per step);
-    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``dkv_rows(arch, D)`` key rows per CTA); both with
+    ``gk``: the dK/dV kernel's (``gk.tq`` queries per step, ``dkv_rows(arch)`` key rows per CTA); both with
     the same padded lengths. ``lse`` / ``delta`` (B, Hq, sq) float32; ``do`` in q's dtype.
     Returns ``(dq, dk, dv, d_rows, d_cols, ())``: per float score_mod row (B, Hq, sq, 1) and
     column (B, Hq, 1, skv) float32, None for the others.
@@ -832,12 +834,12 @@ def _dq(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_row_
 
 def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col_ids, n_srows, n_scols, *,
          stages, interpret, arch, rate=0.0, seed=None):
-    """dK, dV: per CTA ``dkv_consumers(arch, D)`` consumers of ``arch.rows`` key rows over the query heads of the
+    """dK, dV: per CTA ``dkv_consumers(arch)`` consumers of ``arch.rows`` key rows over the query heads of the
     GQA group and each head's column of q tiles; the producer streams Q and dO (S^T = K Q^T and dP^T =
     V dO^T through their transposed views; dS^T Q and P^T dO), lse, delta and the hoisted rows through
     the ring; in the interpreter also Q^T and dO^T, transposed in XLA."""
     B, Hq, Hkv, D, tq, R = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq, arch.rows
-    W = dkv_consumers(arch, D)
+    W = dkv_consumers(arch)
     dtype = q.dtype
     n_rows, n_cols, n_dc = len(rows), len(cols), len(d_col_ids)
     q_n, q_i, fq_n, fq_i = lists.by_kv
@@ -1050,7 +1052,7 @@ def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, arch, itemsize: int = 
     fwd = tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + a_tiles * tile(R, tk, CONSUMERS)
     dq = (2 * tile(R, D, CONSUMERS) + a_tiles * tile(R, tk, CONSUMERS)
           + (2 if arch.views else 3) * tile(tk, D, stages))
-    W = dkv_consumers(arch, D)
+    W = dkv_consumers(arch)
     dkv = (2 * tile(rows, D, W) + a_tiles * tile(rows, tq_dkv, W)
            + (2 if arch.views else 4) * tile(tq_dkv, D, stages))
     return {"fwd": fwd, "dq": dq, "dkv": dkv}
@@ -1063,7 +1065,7 @@ def tmem_columns(D: int, tk: int, tk_dq: int, tq_dkv: int) -> dict[str, int]:
 
     return {"fwd": CONSUMERS * Blackwell.columns(tk, {"o": D}),
             "dq": CONSUMERS * Blackwell.columns(tk_dq, {"dq": D}),
-            "dkv": dkv_consumers(Blackwell(), D) * Blackwell.columns(tq_dkv, {"dk": D, "dv": D})}
+            "dkv": dkv_consumers(Blackwell()) * Blackwell.columns(tq_dkv, {"dk": D, "dv": D})}
 
 
 # Tensor memory of an sm_100 SM: 128 lanes of 512 32-bit columns.
