@@ -251,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-block-q", type=int, help="with --arch: dK/dV's query step instead of the heuristics'")
     ap.add_argument("--block-kv", type=int, help="with --arch: the forward's key step instead of the heuristics'")
     ap.add_argument("--dkv-consumers", type=int, choices=(1, 2), help="with --arch: dK/dV's consumer warpgroups")
+    ap.add_argument("--all-dropout", action="store_true",
+                    help="with --arch: every catalog entry with dropout (bfloat16, MHA) instead of the configurations")
     args = ap.parse_args(argv)
     if args.arch is None:
         return _each_arch(args)
@@ -272,7 +274,12 @@ def main(argv=None) -> int:
             continue
         mesh = mesh_for(config)
         sh = NamedSharding(mesh, P())
-        for config in _configs(args.quick):
+        configs = _configs(args.quick)
+        if args.all_dropout:
+            from test_mosaic_gpu import TAKEN
+
+            configs = [(name, D, "bfloat16", "mha", True) for name in TAKEN for D in HEAD_DIMS]
+        for config in configs:
             name, D, *_, dropout = config
             if args.case not in name + ("+dropout" if dropout else "") or args.head_dim not in (None, D):
                 continue

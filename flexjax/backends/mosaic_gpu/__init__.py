@@ -116,7 +116,8 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
 
     sm_90a: 128 query rows per CTA, 128 keys per forward step (FlashAttention-3's tile: the Q K^T
     wgmma is m64n128, P stays in registers as the P·V wgmma's A operand; with dropout at head dim
-    128, 64 keys: sliding window + ALiBi + dropout spilled 240 B per thread at 128). The backward's
+    128, 64 keys: at 128, 5 of the 10 catalog entries spilled 4-288 B per thread, mask-only ones
+    too, so no rule by mod kind keeps it). The backward's
     dQ takes 64-key steps (S and dP m64n64). dK/dV (two consumer warpgroups, ``_kernels.
     dkv_consumers``) takes 64-query steps at head dim 64 and 32 at 128: there a thread's dK and
     dV accumulators take 128 of its 240 registers, and with 64-wide S^T and dP^T tiles 17 of 18
