@@ -143,8 +143,8 @@ def score_n_floor(kernel: str, D: int, dropout: bool) -> int:
     """The least N of an sm_90a kernel's score wgmmas (``ptx_shape.fa3_shape``): FlashAttention-3's 128
     keys in the forward and 64 in the backward's S and dP, except where the heuristics (``mosaic_gpu.
     heuristics``) keep narrower tiles because the wider ones spilled: the forward with dropout at
-    head dim 128 (64 keys: 240 B spilled at 128), dK/dV at head dim 128 (32 queries: its two
-    consumers spilled 12-224 B at 64)."""
+    head dim 128 (64 keys: 5 of the 10 entries spilled 4-288 B at 128), dK/dV at head dim 128 (32
+    queries: its two consumers spilled 12-224 B at 64)."""
     if kernel == "fwd":
         return 64 if dropout and D > 64 else 128
     if kernel == "dkv" and D > 64:
@@ -254,6 +254,10 @@ def main(argv=None) -> int:
     ap.add_argument("--all-dropout", action="store_true",
                     help="with --arch: every catalog entry with dropout (bfloat16, MHA) instead of the configurations")
     args = ap.parse_args(argv)
+    experiment = [f"--{k.replace('_', '-')}" for k in ("case", "head_dim", "bwd_block_q", "block_kv", "dkv_consumers",
+                                                      "all_dropout") if getattr(args, k)]
+    if args.arch is None and experiment:
+        ap.error(f"{', '.join(experiment)}: only with --arch (one arch in this process)")
     if args.arch is None:
         return _each_arch(args)
     _experiment(args)
