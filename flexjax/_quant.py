@@ -15,10 +15,14 @@ plus half its subnormal spacing, ``2**-10 * scale``).
 Without one (and for a page the sequence has left), a page's scale grows only by factors that make
 requantization exact (``grow``): odd integers for int8, whose grid of the new scale is then a union
 of whole cells of the old one, so rounding a code again gives what rounding the original value once
-would; powers of two for float8_e4m3fn, which only shift its exponent. Every element is therefore its
-value quantized once with its page's final scale, whatever the order and size of the writes, within
-the bounds above of that scale; but a page's final scale is then up to 3x (int8) or 2x (float8) its
-``amax / qmax``, so an int8 element stays within 1.5 steps of ``amax / 127``.
+would; powers of two for float8_e4m3fn, which only shift its exponent while the code stays normal.
+Every int8 element is therefore its value quantized once with its page's final scale, whatever the
+order and size of the writes, within half a step of that scale. A float8 code shifted into the
+subnormals rounds again, at most half a subnormal spacing of each scale it passes through; the
+scales at least double, so those roundings sum to less than ``2**-9 * scale`` of the final one: a
+float8 element stays within ``2**-4`` of its magnitude plus ``2**-9 * scale``. A page's final scale
+is up to 3x (int8) or 2x (float8) its ``amax / qmax``, so an int8 element stays within 1.5 steps of
+``amax / 127``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The quantized pools' error bound, by property tests over random write orders and sizes: with per-(page, head)
-scales, every element of a page is its value quantized once with the page's final scale (the scale grows only by
-factors that requantize exactly), so int8 stays within half a step of that scale and float8_e4m3fn within 2**-4
-of its magnitude; the final scale is at most 3x (int8) / 2x (float8) the page's amax / qmax."""
+scales, every int8 element of a page is its value quantized once with the page's final scale (the scale grows
+only by odd factors, which requantize exactly), within half a step of that scale; float8_e4m3fn's power-of-two
+growth is exact while a code stays normal, and a code shifted into the subnormals rounds again (half a subnormal
+spacing of each scale it passes through, less than 2**-9 of the final scale in all), so float8 stays within 2**-4
+of its magnitude plus 2**-9 * scale; the final scale is at most 3x (int8) / 2x (float8) the page's amax / qmax."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def _run(dtype, writes, seed):
         if dtype == "int8":
             assert np.all(err <= step / 2 * (1 + 1e-5) + 1e-30), (err - step / 2).max()  # half a step
         else:
-            assert np.all(err <= 2.0 ** -4 * x + 2.0 ** -10 * step * (1 + 1e-5) + 1e-30), err.max()
+            assert np.all(err <= 2.0 ** -4 * x + 2.0 ** -9 * step * (1 + 1e-5) + 1e-30), err.max()
         used = history > 0
         grow = 3.0 if dtype == "int8" else 2.0
         assert np.all(s[used] <= grow * history[used] / QMAX[dtype] * (1 + 1e-5)), (s[used] / history[used]).max()
@@ -79,6 +81,14 @@ def test_single_token_writes_of_growing_magnitude():
     scale that grew 15 times, its earlier tokens requantized each time, was off by 2x the promise)."""
     for dtype in ("int8", "float8_e4m3fn"):
         _run(dtype, [(0, t, 1, 1.0 + 0.05 * t) for t in range(PAGE)] * 2, seed=0)
+
+
+def test_float8_codes_shifted_into_the_subnormals():
+    """The property test's find (hypothesis, 2026-12-06): a 2.7e-5 value on a page of scale 0.0054, a subnormal
+    code, rounded again when the scale doubled; its error was 1.27x the once-rounded bound (2**-10 * scale) and
+    within the documented 2**-9 * scale."""
+    _run("float8_e4m3fn", [(0, 0, 8, 0.01), (0, 0, 12, 0.01), (1, 0, 8, 1.0), (0, 0, 12, 0.01), (0, 0, 12, 0.01),
+                           (1, 0, 12, 0.01), (1, 0, 3, 1.0)], seed=2048)
 
 
 @pytest.mark.ci_extra  # (make test's budget)
