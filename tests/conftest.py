@@ -1,6 +1,6 @@
 """Test setup: eight simulated CPU devices (for the sharding tests) and XLA:CPU's codegen
-level before JAX starts, and hypothesis' example counts (few by default, more under `make
-test-all`)."""
+level before JAX starts, and hypothesis' example counts (few and fixed by default, more and fresh
+under `make test-all`)."""
 
 import os
 
@@ -39,7 +39,10 @@ if importlib.util.find_spec("jax_triton") is not None:
     else:
         os.environ["TRITON_CACHE_DIR"] = _cache_dir
 
-settings.register_profile("default", max_examples=6)
+# make test / test-extra (CI) draw the same few examples every run (derandomize: a CI run cannot fail on
+# a draw the previous one did not make); make test-all draws 50 fresh ones each run, the exploring leg
+# (it found the float8 subnormal bound, tests/test_quant_bound.py).
+settings.register_profile("default", max_examples=6, derandomize=True)
 settings.register_profile("all", max_examples=50)
 settings.load_profile(os.environ.get("FLEXJAX_HYPOTHESIS", "default"))
 
