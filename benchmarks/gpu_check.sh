@@ -34,7 +34,8 @@
 #                  given the same dense mask, and its own window / packed form (--section sparsity)
 #   late     110   per late backend (FLEXJAX_GPU_LATE_BACKENDS, default mosaic_gpu, whose kernels have
 #                  never run on a GPU), in processes of their own after the others' figures are on
-#                  disk, so that a hang there loses none of them: its tests (35, step tests:<name>),
+#                  disk, so that a hang there loses none of them: its tests (35, step tests:<name>;
+#                  70 in a rehearsal, where pallas' interpreter took 35-40 s on 2 cores),
 #                  timing (40, timing:<name>) and sparsity (35, sparsity:<name>), the ratios against
 #                  the cuDNN timings of the steps above (--baselines-from)
 #   sweep     30   triton tiles, warps and stages through kernel_options, forward and backward, at
@@ -61,7 +62,7 @@
 # shell's own), so every step gets its whole cap even when each before it ran into its own: a
 # backend that hangs costs the caps of the steps it is in, never another step's time. Caps:
 # FLEXJAX_GPU_ENV_S, FLEXJAX_GPU_SMOKE_S (45; 30 in a rehearsal, whose injected hang waits it out),
-# FLEXJAX_GPU_TEST_TIMEOUT_S, FLEXJAX_GPU_TIMING_S, FLEXJAX_GPU_SPARSITY_S, FLEXJAX_GPU_LATE_TEST_S,
+# FLEXJAX_GPU_TEST_TIMEOUT_S, FLEXJAX_GPU_TIMING_S, FLEXJAX_GPU_SPARSITY_S, FLEXJAX_GPU_LATE_TEST_S (35; 70 in a rehearsal),
 # FLEXJAX_GPU_LATE_TIMING_S, FLEXJAX_GPU_LATE_SPARSITY_S, FLEXJAX_GPU_SWEEP_S. A step gets at most
 # its cap and what is left of the budget (less the summary's), starts only with 20 s (or its cap,
 # if smaller) left, and a timing step starts no measurement in its last 10 s. Each process is sent
@@ -130,7 +131,7 @@ SMOKE_S="${FLEXJAX_GPU_SMOKE_S:-$([[ -n $REHEARSING ]] && echo 30 || echo 45)}"
 TEST_TIMEOUT="${FLEXJAX_GPU_TEST_TIMEOUT_S:-115}"
 TIMING_S="${FLEXJAX_GPU_TIMING_S:-80}"
 SPARSITY_S="${FLEXJAX_GPU_SPARSITY_S:-60}"
-LATE_TEST_S="${FLEXJAX_GPU_LATE_TEST_S:-35}"
+LATE_TEST_S="${FLEXJAX_GPU_LATE_TEST_S:-$([[ -n $REHEARSING ]] && echo 70 || echo 35)}"
 LATE_TIMING_S="${FLEXJAX_GPU_LATE_TIMING_S:-40}"
 LATE_SPARSITY_S="${FLEXJAX_GPU_LATE_SPARSITY_S:-35}"
 SWEEP_S="${FLEXJAX_GPU_SWEEP_S:-30}"
