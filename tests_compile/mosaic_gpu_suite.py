@@ -79,9 +79,13 @@ KERNELS = ("flexjax_mgpu_fwd", "flexjax_mgpu_dq", "flexjax_mgpu_dkv")
 SPILL_BUDGET: dict = {("sm_100a", "fwd", 128, "neg_inf_score"): 8, ("sm_90a", "fwd", 128, "sliding_window+alibi"): 4}
 
 
-def _configs(quick: bool):
+def _configs(quick: bool, all_dropout: bool = False):
+    """The suite's (entry, head dim, dtype, heads, dropout) configurations; ``all_dropout``: every entry with
+    dropout instead (bfloat16, MHA, both head dims), an experiment."""
     from test_mosaic_gpu import TAKEN
 
+    if all_dropout:
+        return [(name, D, "bfloat16", "mha", True) for name in TAKEN for D in HEAD_DIMS]
     out = []
     for name in TAKEN:
         for D in HEAD_DIMS:
@@ -246,16 +250,17 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", choices=[a for a, _, _ in ARCHS], help="one arch, in this process")
     ap.add_argument("--rows", default=None, help="with --arch: where to write the rows (JSON)")
     # Experiments (with --arch): a subset of the configurations, and other tiles than the defaults.
-    ap.add_argument("--case", default="", help="with --arch: the configurations whose case name contains this")
-    ap.add_argument("--head-dim", type=int, choices=HEAD_DIMS, help="with --arch: one head dim")
-    ap.add_argument("--bwd-block-q", type=int, help="with --arch: dK/dV's query step instead of the heuristics'")
-    ap.add_argument("--block-kv", type=int, help="with --arch: the forward's key step instead of the heuristics'")
-    ap.add_argument("--dkv-consumers", type=int, choices=(1, 2), help="with --arch: dK/dV's consumer warpgroups")
-    ap.add_argument("--all-dropout", action="store_true",
-                    help="with --arch: every catalog entry with dropout (bfloat16, MHA) instead of the configurations")
+    experiments = [
+        ap.add_argument("--case", default="", help="with --arch: the configurations whose case name contains this"),
+        ap.add_argument("--head-dim", type=int, choices=HEAD_DIMS, help="with --arch: one head dim"),
+        ap.add_argument("--bwd-block-q", type=int, help="with --arch: dK/dV's query step instead of the heuristics'"),
+        ap.add_argument("--block-kv", type=int, help="with --arch: the forward's key step instead of the heuristics'"),
+        ap.add_argument("--dkv-consumers", type=int, choices=(1, 2), help="with --arch: dK/dV's consumer warpgroups"),
+        ap.add_argument("--all-dropout", action="store_true",
+                        help="with --arch: every catalog entry with dropout (bfloat16, MHA) instead of the "
+                             "configurations")]
     args = ap.parse_args(argv)
-    experiment = [f"--{k.replace('_', '-')}" for k in ("case", "head_dim", "bwd_block_q", "block_kv", "dkv_consumers",
-                                                      "all_dropout") if getattr(args, k)]
+    experiment = [a.option_strings[0] for a in experiments if getattr(args, a.dest)]
     if args.arch is None and experiment:
         ap.error(f"{', '.join(experiment)}: only with --arch (one arch in this process)")
     if args.arch is None:
@@ -278,12 +283,7 @@ def main(argv=None) -> int:
             continue
         mesh = mesh_for(config)
         sh = NamedSharding(mesh, P())
-        configs = _configs(args.quick)
-        if args.all_dropout:
-            from test_mosaic_gpu import TAKEN
-
-            configs = [(name, D, "bfloat16", "mha", True) for name in TAKEN for D in HEAD_DIMS]
-        for config in configs:
+        for config in _configs(args.quick, args.all_dropout):
             name, D, *_, dropout = config
             if args.case not in name + ("+dropout" if dropout else "") or args.head_dim not in (None, D):
                 continue
