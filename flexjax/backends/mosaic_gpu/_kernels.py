@@ -106,13 +106,33 @@ def _interpret_params():
     ``plgpu.layout_cast`` only names a register layout (the value is unchanged), and the
     interpreter binds it as an ordinary primitive, for which JAX 0.10 registers no CPU
     lowering: the identity is that lowering.
+
+    And JAX 0.10's interpreter jits each simulated warpgroup's body through a function it defines
+    anew per call, so every CTA of the grid traced, lowered and compiled the kernel again (over
+    half of an interpreted test's time). JAX 0.11 jits a module-level function instead, so one
+    compile serves every CTA and warpgroup; on JAX 0.10 the same fix is put in its place.
     """
     from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic.interpret import thread_map
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    if not hasattr(thread_map, "_run"):  # JAX 0.10 (0.11 defines _run at module level)
+        thread_map._run_jaxpr = _run_thread_jaxpr
     return InterpretGPUParams()
+
+
+def _eval_thread(jaxpr, consts, *args):
+    from jax._src import core
+
+    core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def _run_thread_jaxpr(jaxpr, consts, *args):
+    """JAX 0.11's ``thread_map._run_jaxpr``: one warpgroup's body, jitted through a module-level
+    function, so that the trace, the lowering and the executable are cached by the jaxpr."""
+    jax.jit(_eval_thread, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()(consts, *args)
 
 
 def _load(arch, ref, axis_kept: int):
