@@ -140,6 +140,36 @@ def test_head_dim_128_backward():
 
 
 @pytest.mark.mosaic_gpu
+def test_interpreter_compiles_a_kernel_once_for_every_cta():
+    """Mosaic GPU's interpreter runs each warpgroup of each CTA as an XLA:CPU computation. JAX 0.10
+    jitted it through a closure made anew per call, so every CTA compiled the kernel again (over
+    half of an interpreted test's time); ``_kernels._interpret_params`` puts JAX 0.11's fix in place.
+    A forward of 8 CTAs (4 query tiles of 128 rows, 2 heads), 3 warpgroups each: without the fix 24
+    compiles of the warpgroup body (JAX 0.10's ``_run``; ``_kernels._eval_thread`` with the fix;
+    ``_run`` again from JAX 0.11), with it one."""
+    from jax._src import dispatch
+
+    compiles = []
+    on = [True]
+
+    def listener(event, secs, fun_name=None, **_):
+        if on[0] and event == dispatch.BACKEND_COMPILE_EVENT  and fun_name in ("jit(_run)", "jit(_eval_thread)"):
+            compiles.append(fun_name)
+
+    q, k, v = _qkv((1, 512, 2, 64))
+    fwd = jax.jit(lambda q, k, v: flexjax.flex_attention(q, k, v, backend="mosaic_gpu",
+                                                         kernel_options={"compute_capability": 90}))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = jax.block_until_ready(fwd(q, k, v))
+    finally:
+        on[0] = False
+    assert 1 <= len(compiles) <= 2, compiles
+    ref = flexjax.flex_attention(q, k, v, backend="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.mosaic_gpu
 def test_dropout_on_blackwell():
     """Fused dropout on sm_100a's kernels (tcgen05 emulated) against the dense truth (tests/test_dropout_kernels.py's
     harness: out, lse, dq, dk, dv through the backend's forward_with_residuals and backward): the kernels
