@@ -148,7 +148,8 @@ def score_n_floor(kernel: str, D: int, dropout: bool) -> int:
     keys in the forward and 64 in the backward's S and dP, except where the heuristics (``mosaic_gpu.
     heuristics``) keep narrower tiles because the wider ones spilled: the forward with dropout at
     head dim 128 (64 keys: 5 of the 10 entries spilled 4-288 B at 128), dK/dV at head dim 128 (32
-    queries: its two consumers spilled 12-224 B at 64)."""
+    queries: its two consumers spilled 12-224 B at 64, and 20-672 B in FlashAttention-3's orientation;
+    BENCHMARKS.md)."""
     if kernel == "fwd":
         return 64 if dropout and D > 64 else 128
     if kernel == "dkv" and D > 64:
