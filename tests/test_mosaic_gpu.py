@@ -207,15 +207,20 @@ def test_fa3_tiles_and_forms():
     from flexjax.backends.mosaic_gpu import _kernels, _mma
 
     o = backend.heuristics(90, 128)
-    assert (o.block_kv, o.bwd_block_kv, o.bwd_block_q) == (128, 64, 32)
+    assert (o.block_kv, o.bwd_block_kv, o.bwd_block_q) == (128, 64, 64)
     assert backend.heuristics(90, 64).bwd_block_q == 64
-    assert backend.heuristics(90, 128, dropout=True).block_kv == 64
+    d = backend.heuristics(90, 128, dropout=True)
+    assert (d.block_kv, d.bwd_block_q) == (64, 32)
     gpu, interp = _mma.Hopper(), _mma.Hopper(emulate=True)
     assert gpu.views and gpu.register_a and not interp.views and not interp.register_a
     assert _mma.Blackwell().views and not _mma.Blackwell().register_a
     # Two dK/dV consumers on sm_90a (in the interpreter too: the same kernel), one on sm_100a.
     assert _kernels.dkv_consumers(gpu) == _kernels.dkv_consumers(interp) == 2
     assert _kernels.dkv_rows(gpu) == 128 and _kernels.dkv_rows(_mma.Blackwell()) == 128
+    # dK/dV's partial steps at head dim 128 on sm_90a run in 32-query sub-steps, the full ones whole.
+    assert _kernels.dkv_masked_q(gpu, 128, 64) == _kernels.dkv_masked_q(interp, 128, 64) == 32
+    assert _kernels.dkv_masked_q(gpu, 64, 64) == 64 and _kernels.dkv_masked_q(gpu, 128, 32) == 32
+    assert _kernels.dkv_masked_q(_mma.Blackwell(), 128, 32) == 32
     # No P tile and no transposed copies in the GPU form's shared memory.
     assert _kernels.smem_bytes(128, 128, 32, 2, gpu)["fwd"] < _kernels.smem_bytes(128, 128, 32, 2, interp)["fwd"]
 

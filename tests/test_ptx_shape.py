@@ -19,6 +19,7 @@ from ptx_shape import (  # noqa: E402
     hopper_exempt,
     hopper_shape,
     instruction_mix,
+    sass_spills,
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
@@ -147,6 +148,13 @@ def test_fa3_shape():
     assert fa3_shape("fwd", good + waits, qk_n=128, min_bare_ex2=64, overlap=True) == []
     assert any("no MMA overlaps" in f for f in fa3_shape("fwd", good + WAIT0, qk_n=128, min_bare_ex2=64,
                                                          overlap=True))
+    # dK/dV at head dim 128: m64n32 score wgmmas on the partial tiles' sub-steps, m64n64 on the full tiles.
+    split = _n(SMEM_A, 32) * 2 + _n(SMEM_A, 64) * 2 + _n(REG_A, 128) + EX2 * 32
+    assert fa3_shape("dkv", split, qk_n=32, full_n=64, min_bare_ex2=32) == []
+    narrow = _n(SMEM_A, 32) * 2 + _n(REG_A, 128) + EX2 * 32
+    assert any("widest score wgmma has N = 32 < 64" in f
+               for f in fa3_shape("dkv", narrow, qk_n=32, full_n=64, min_bare_ex2=32))
+    assert fa3_shape("dkv", narrow, qk_n=32, min_bare_ex2=32) == []
 
 
 def test_hlo_transposes_counts_4d_ones():
@@ -174,3 +182,37 @@ def test_wgmma_serialized_names_the_kernel_and_the_reason():
     assert wgmma_serialized(
         "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
         "insufficient register resources for the function 'k'\n") == {"k": "insufficient register resources"}
+
+
+SASS = """
+        /*0000*/                   STL [R1], R7 ;
+.L_x_0:
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;
+.L_x_1:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4].tnspB, R24 ;
+        /*0030*/                   LDL R2, [R1] ;
+        /*0040*/              @P0 BRA `(.L_x_1) ;
+        /*0050*/                   STL [R1+0x4], R9 ;
+        /*0060*/              @P2 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0070*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*0080*/                   LDL.LU R4, [R1+0x4] ;
+        /*0090*/              @P1 BRA `(.L_x_2) ;
+        /*00a0*/                   EXIT ;
+.L_x_3:
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R3+URZ], R10 ;
+        /*00c0*/                   LDL R5, [R1] ;
+        /*00d0*/              @!P1 BRA `(.L_x_3) ;
+        /*00e0*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_sass_spills_finds_the_spills_in_the_mma_loops():
+    # The inner loop (.L_x_1) issues the HGMMA: its LDL is in an MMA loop. The outer loop (.L_x_0)
+    # holds the inner one, so its STL is outside (once per outer step); the loop at .L_x_2 issues no
+    # MMA; after the EXIT, the barrier-wait retry and its branch back into the code are no loop.
+    assert sass_spills(SASS) == {"in_mma_loops": 1, "outside": 4}
+    assert sass_spills(SASS.replace("HGMMA.64x64x16.F32.BF16", "UTCHMMA")) == {"in_mma_loops": 1, "outside": 4}
+    without = SASS.replace("        /*0030*/                   LDL R2, [R1] ;\n", "")
+    assert sass_spills(without) == {"in_mma_loops": 0, "outside": 4}
+    assert sass_spills("        /*0000*/                   EXIT ;\n") == {"in_mma_loops": 0, "outside": 0}

@@ -8,7 +8,8 @@ head dims 64 and 128, bfloat16 and float16, MHA and GQA, and two entries with dr
 keep-mask hash in each kernel). Mosaic GPU writes each kernel's
 ``ptxas -v`` report (``MOSAIC_GPU_DUMP_PTXAS``); a kernel fails the suite if ptxas did not
 compile it for the configuration's arch or its PTX lacks the arch's tensor-core instructions
-(``EXPECTED_OPS``), if it spills, if ptxas serialized its wgmmas (``ptx_shape.wgmma_serialized``),
+(``EXPECTED_OPS``), if it spills inside its MMA loops or more than a few bytes outside them
+(``SPILL_OUTSIDE_LIMIT``; located in its SASS), if ptxas serialized its wgmmas (``ptx_shape.wgmma_serialized``),
 if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
 its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on both), or, on
@@ -47,6 +48,7 @@ from ptx_shape import (  # noqa: E402
     bare_ex2,
     fa3_shape,
     hlo_transposes,
+    sass_spills,
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
@@ -63,20 +65,23 @@ REG_LIMIT = {"fwd": 65536 // 384, "dq": 65536 // 384, "dkv": 255}
 # Rows per consumer warpgroup (wgmma's M on sm_90a, tcgen05's on sm_100a).
 R_OF = {"sm_90a": 64, "sm_100a": 128}
 KERNELS = ("flexjax_mgpu_fwd", "flexjax_mgpu_dq", "flexjax_mgpu_dkv")
-# Spill bytes per thread (stores or loads) a kernel may have: none anywhere. (The sm_90a dK/dV
-# kernel at D = 128 spilled 8-52 B per thread while its accumulating wgmmas wrote fresh
-# accumulators added in registers, the interpreter's form; on the GPU they accumulate in place.)
-# One exception, on the GPU machine's ptxas (JAX 0.11.2, CUDA 13) only: the sm_100a forward at
-# D = 128 with the "neg_inf_score" entry spills 4 B per thread (stores; 8 B loads) since the softmax's exponent became
-# a bare ex2.approx (issue 44; CUDA 12's ptxas: none). Rescaling O 8 tensor-memory columns at a
+# Spills: none in a kernel's steps. A kernel fails if ptxas spilled inside one of its MMA loops (the
+# innermost loops that issue a wgmma or tcgen05 MMA: its walk over the tiles), located in the SASS of
+# its PTX (``ptx_shape.sass_spills``: ptxas, then nvdisasm), or more than SPILL_OUTSIDE_LIMIT bytes per
+# thread outside them (a register stored before a walk and loaded after it, once per head or kernel),
+# or any spill at all where the SASS cannot be had (no ptxas that takes the PTX, or no nvdisasm).
+# Seen outside the loops, on the GPU machine's ptxas (JAX 0.11.2, CUDA 13): the sm_90a forward at
+# D = 128 with "sliding_window+alibi" (4 B, with its full tiles pipelined), and the sm_90a dK/dV at
+# D = 128 with "neg_inf_score" (12 B stored, 20 B loaded) and with "causal+soft_cap" GQA (8 B, 16 B),
+# around each head's partial and full walks since its full steps took 64 queries.
+SPILL_OUTSIDE_LIMIT = 32
+# The one kernel allowed a spill inside its MMA loops, keyed by (arch, kernel, head dim, catalog entry):
+# the sm_100a forward at D = 128 with "neg_inf_score" on CUDA 13's ptxas (none on CUDA 12's) stores
+# one register once at its start and loads it once per step (4 B stored, 8 B loaded per thread), since
+# the softmax's exponent became a bare ex2.approx (issue 44). Rescaling O 8 tensor-memory columns at a
 # time (from 16) cleared the same spill on "padding"; 4 columns is not a TMEM load shape, and an
 # optimization barrier between the exponents and the rescale did not help.
-# And the sm_90a forward at D = 128 with its full tiles pipelined (issue 44, FlashAttention-3's
-# intra-warpgroup overlap): on the sliding window + ALiBi entries ptxas spills one register, 4 B
-# per thread, stored once at the kernel's start and loaded once where the pipelined steps begin,
-# outside every loop (nvdisasm's life ranges: the partial steps' loop peaks at 229 live registers).
-# Keyed by (arch, kernel, head dim, catalog entry): every other configuration is held to 0.
-SPILL_BUDGET: dict = {("sm_100a", "fwd", 128, "neg_inf_score"): 8, ("sm_90a", "fwd", 128, "sliding_window+alibi"): 4}
+SPILL_IN_LOOPS: dict = {("sm_100a", "fwd", 128, "neg_inf_score"): 8}
 
 
 def _configs(quick: bool, all_dropout: bool = False):
@@ -115,6 +120,46 @@ def _parse_ptxas(text: str) -> dict:
     return out
 
 
+def _sass_tools():
+    """(ptxas candidates, nvdisasm) for locating spills: the PATH's, the CUDA root Mosaic GPU points at,
+    and the pip packages' (nvidia's ptxas, Triton's nvdisasm); None where no nvdisasm is found."""
+    import shutil
+
+    roots = [os.environ.get("MOSAIC_GPU_CUDA_ROOT", ""), "/usr/local/cuda"]
+    ptxas = [shutil.which("ptxas")] + [os.path.join(r, "bin", "ptxas") for r in roots if r]
+    nvdisasm = [shutil.which("nvdisasm")] + [os.path.join(r, "bin", "nvdisasm") for r in roots if r]
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            ptxas += sorted(glob.glob(os.path.join(base, "*", "bin", "ptxas")), reverse=True)
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        nvdisasm.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm"))
+    except ImportError:
+        pass
+    found = [p for p in nvdisasm if p and os.access(p, os.X_OK)]
+    return [p for p in dict.fromkeys(ptxas) if p and os.access(p, os.X_OK)], (found[0] if found else None)
+
+
+def _spill_places(ptx_path: str, arch: str):
+    """``ptx_shape.sass_spills`` of one dumped kernel, or None if no ptxas / nvdisasm here compiles it."""
+    import subprocess
+
+    ptxas, nvdisasm = _sass_tools()
+    if nvdisasm is None:
+        return None
+    cubin = ptx_path + ".cubin"
+    for tool in ptxas:
+        if subprocess.run([tool, f"-arch={arch}", ptx_path, "-o", cubin], capture_output=True).returncode == 0:
+            sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True)
+            return sass_spills(sass.stdout) if sass.returncode == 0 else None
+    return None
+
+
 def _compile(f, args, mesh, dump_dir):
     import jax
 
@@ -137,24 +182,29 @@ def _compile(f, args, mesh, dump_dir):
                 res["ptx_ops"] = sorted(found)
                 forms = wgmma_forms(ptx)
                 res["score_n"] = min((n for n, reg in forms if not reg), default=None)
+                res["score_n_full"] = max((n for n, reg in forms if not reg), default=None)
                 res["register_a"] = sum(reg for _, reg in forms)
                 res["bare_ex2"] = bare_ex2(ptx)
                 res["fa3"] = ptx  # judged in _compile_config, then dropped
+                if res["spill_stores"] or res["spill_loads"]:
+                    res["spill_places"] = _spill_places(path, res["arch"] or "sm_90a")
     return report
 
 
-def score_n_floor(kernel: str, D: int, dropout: bool) -> int:
-    """The least N of an sm_90a kernel's score wgmmas (``ptx_shape.fa3_shape``): FlashAttention-3's 128
-    keys in the forward and 64 in the backward's S and dP, except where the heuristics (``mosaic_gpu.
+def score_n_floor(kernel: str, D: int, dropout: bool) -> tuple[int, int]:
+    """The least N of an sm_90a kernel's score wgmmas, and the N its full tiles' score wgmma must
+    reach (``ptx_shape.fa3_shape``'s ``qk_n`` and ``full_n``): FlashAttention-3's 128 keys in the
+    forward and 64 in the backward's S and dP, except where the heuristics (``mosaic_gpu.
     heuristics``) keep narrower tiles because the wider ones spilled: the forward with dropout at
-    head dim 128 (64 keys: 5 of the 10 entries spilled 4-288 B at 128), dK/dV at head dim 128 (32
-    queries: its two consumers spilled 12-224 B at 64, and 20-672 B in FlashAttention-3's orientation;
+    head dim 128 (64 keys: 5 of the 10 entries spilled 4-288 B at 128); dK/dV at head dim 128, whose
+    partial tiles run 32-query sub-steps (``_kernels.dkv_masked_q``; one tile of 64 spilled 12-80 B
+    there), and with dropout 32-query steps throughout (the full ones spilled 44-48 B at 64;
     BENCHMARKS.md)."""
     if kernel == "fwd":
-        return 64 if dropout and D > 64 else 128
+        return (64, 64) if dropout and D > 64 else (128, 128)
     if kernel == "dkv" and D > 64:
-        return 32
-    return 64
+        return (32, 32) if dropout else (32, 64)
+    return 64, 64
 
 
 # The tensor-core instructions (``ptx_shape.TENSOR_CORE_OPS``) that say which kernel ptxas got.
@@ -211,7 +261,8 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             # Every kernel's softmax exponent is a bare ex2.approx: at least one per element of a tile.
             tile = (R_OF[arch] * {"fwd": o.block_kv, "dq": o.bwd_block_kv, "dkv": o.bwd_block_q}[short]) // 128
             if arch == "sm_90a":
-                problems += fa3_shape(short, ptx, qk_n=score_n_floor(short, D, dropout), min_bare_ex2=tile,
+                least, full = score_n_floor(short, D, dropout)
+                problems += fa3_shape(short, ptx, qk_n=least, full_n=full, min_bare_ex2=tile,
                                       overlap=short == "fwd" and _kernels.fwd_overlap(unit))
             elif res["bare_ex2"] < tile:
                 problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
@@ -228,10 +279,17 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
                             f"{sorted(EXPECTED_OPS[arch])}")
         if res.get("wgmma_serialized"):
             problems.append(f"{short}: ptxas serialized its wgmmas ({res['wgmma_serialized']})")
-        budget = SPILL_BUDGET.get((arch, short, D, name), 0)
-        if max(res["spill_stores"], res["spill_loads"]) > budget:
-            problems.append(f"{short}: spills {res['spill_stores']} B stored, {res['spill_loads']} B loaded "
-                            f"(budget {budget} B)")
+        spilled = max(res["spill_stores"], res["spill_loads"])
+        places = res.get("spill_places")
+        if spilled and places is None:
+            problems.append(f"{short}: spills {res['spill_stores']} B stored, {res['spill_loads']} B loaded, "
+                            "which no ptxas and nvdisasm here could locate")
+        elif spilled and places["in_mma_loops"] and spilled > SPILL_IN_LOOPS.get((arch, short, D, name), 0):
+            problems.append(f"{short}: spills {res['spill_stores']} B stored, {res['spill_loads']} B loaded, "
+                            f"{places['in_mma_loops']} of its spill instructions in its MMA loops")
+        elif spilled > SPILL_OUTSIDE_LIMIT:
+            problems.append(f"{short}: spills {res['spill_stores']} B stored, {res['spill_loads']} B loaded outside "
+                            f"its MMA loops (more than {SPILL_OUTSIDE_LIMIT} B)")
         if res["registers"] is not None and res["registers"] > REG_LIMIT[short]:
             problems.append(f"{short}: {res['registers']} registers > {REG_LIMIT[short]}")
         if smem[short] > _kernels.SMEM_LIMIT:
@@ -309,7 +367,7 @@ def _experiment(args) -> None:
         default = backend.heuristics
         backend.heuristics = lambda *a, **kw: dataclasses.replace(default(*a, **kw), **tiles)
         global score_n_floor
-        score_n_floor = lambda kernel, D, dropout: 0  # noqa: E731
+        score_n_floor = lambda kernel, D, dropout: (0, 0)  # noqa: E731
     if args.dkv_consumers:
         _kernels.dkv_consumers = lambda arch: args.dkv_consumers
 
@@ -348,9 +406,10 @@ def _each_arch(args) -> int:
                     "(tcgen05, accumulators in tensor memory); dK/dV, 1 producer + 2 consumers of 64 key rows on "
                     "sm_90a, 1 producer + 1 consumer of 128 on sm_100a. "
                     "Per kernel: registers (ptxas' count per thread: at most 168 for 384 threads, 255 for 256) / "
-                    "spill (bytes stored per thread) / shared memory KiB (`_kernels.smem_bytes`) [/ TMEM columns "
-                    "of the sm_100a kernels, of 512]; then, from the PTX: the score MMA's N (sm_90a: the least N "
-                    "of the wgmmas that read A from shared memory: Q K^T, S, dP, S^T, dP^T) / register-A wgmmas / "
+                    "spill (bytes stored per thread; where none is in an MMA loop, from the SASS, it says so) / shared memory KiB (`_kernels.smem_bytes`) [/ TMEM columns "
+                    "of the sm_100a kernels, of 512]; then, from the PTX: the score MMA's N (sm_90a: the N "
+                    "of the wgmmas that read A from shared memory: Q K^T, S, dP, S^T, dP^T; least-widest where "
+                    "partial tiles run narrower sub-steps) / register-A wgmmas / "
                     "bare `ex2.approx` exponents (not libdevice's range-reduced expf). XLA transposes: 4-D "
                     "transposes in the optimized HLO around the kernels.\n\n")
             f.write("| arch | case | D | dtype | heads | status | fwd: regs / spill / smem [/ TMEM] / score N / "
@@ -360,9 +419,14 @@ def _each_arch(args) -> int:
                 cells = []
                 for k in ("fwd", "dq", "dkv"):
                     x = r[k]
-                    cell = f"{x.get('registers')} / {x.get('spill_stores', '-')} / {x['smem'] // 1024}"
+                    where = x.get("spill_places")
+                    spill = f"{x.get('spill_stores', '-')}" + (" (outside the loops)" if where and not
+                                                               where["in_mma_loops"] else "")
+                    cell = f"{x.get('registers')} / {spill} / {x['smem'] // 1024}"
                     cell += f" / {x['tmem']}" if "tmem" in x else ""
-                    cell += f" / {x.get('score_n', '-')} / {x.get('register_a', '-')} / {x.get('bare_ex2', '-')}"
+                    n, n_full = x.get("score_n", "-"), x.get("score_n_full", "-")
+                    cell += f" / {n if n == n_full else f'{n}-{n_full}'}"
+                    cell += f" / {x.get('register_a', '-')} / {x.get('bare_ex2', '-')}"
                     cells.append(cell)
                 status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
                 f.write(f"| {r['arch']} | {r['case']} | {r['head_dim']} | {r['dtype']} | {r['heads']} | {status} | "

@@ -144,6 +144,36 @@ def wgmma_serialized(ptxas_report: str) -> dict[str, str]:
     return {name: reason for reason, name in _SERIALIZED.findall(ptxas_report)}
 
 
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+_SASS_EXIT = re.compile(r"\bEXIT\b")
+_SASS_SPILL = re.compile(r"\b(STL|LDL)(?:\.[\w.]+)?\s")
+# sm_90a's wgmma and sm_100a's tcgen05 MMAs in SASS.
+_SASS_MMA = re.compile(r"\b(HGMMA|UTC\w*MMA)\b")
+
+
+def sass_spills(sass: str) -> dict[str, int]:
+    """Where a kernel's spill instructions (``STL`` / ``LDL``) are in its SASS (``nvdisasm -c``):
+    ``{"in_mma_loops": n, "outside": m}``. The MMA loops are the innermost loops that issue a
+    tensor-core MMA (``HGMMA``, ``UTC*MMA``): a kernel's steps over its tiles. A loop is a branch
+    back to a label at or above it, before the kernel's last ``EXIT`` (after it are the
+    out-of-line retries of barrier waits, which branch back into the code they came from)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _SASS_LABEL.match(line))}
+    exits = [i for i, line in enumerate(lines) if _SASS_EXIT.search(line)]
+    end = exits[-1] if exits else len(lines)
+    loops = []
+    for i, line in enumerate(lines[:end]):
+        m = _SASS_BRANCH.search(line)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            loops.append((labels[m.group(1)], i))
+    mma = [(a, b) for a, b in loops if any(_SASS_MMA.search(x) for x in lines[a:b + 1])]
+    inner = [(a, b) for a, b in mma if not any((c, d) != (a, b) and a <= c and d <= b for c, d in mma)]
+    spills = [i for i, line in enumerate(lines) if _SASS_SPILL.search(line)]
+    n_in = sum(any(a <= i <= b for a, b in inner) for i in spills)
+    return {"in_mma_loops": n_in, "outside": len(spills) - n_in}
+
+
 _HLO_TRANSPOSE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*\w+\[([\d,]*)\]\S*\s+transpose\(", re.M)
 
 
@@ -153,11 +183,14 @@ def hlo_transposes(hlo: str, rank: int = 4) -> list[str]:
     return [shape for shape in _HLO_TRANSPOSE.findall(hlo) if shape.count(",") == rank - 1]
 
 
-def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int, overlap: bool = False) -> list[str]:
+def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int, overlap: bool = False,
+              full_n: int | None = None) -> list[str]:
     """What keeps an sm_90a mosaic_gpu kernel's PTX from FlashAttention-3's shape.
 
     ``kind``: "fwd", "dq" or "dkv". ``qk_n``: the least N its score products (Q K^T in the forward,
-    S and dP in dQ, S^T and dP^T in dK/dV: the wgmmas that read A from shared memory) must have.
+    S and dP in dQ, S^T and dP^T in dK/dV: the wgmmas that read A from shared memory) must have;
+    ``full_n`` (default ``qk_n``): the N the widest of them must reach (the full tiles' product,
+    where a kernel's partial tiles run narrower sub-steps).
     Each kernel needs at least one register-A wgmma (P·V, dS·K, P^T·dO and dS^T·Q take A from
     registers) and ``min_bare_ex2`` bare ``ex2.approx`` exponents (a tile's elements per thread);
     with ``overlap``, a ``wgmma.wait_group`` that leaves a group in flight (the softmax running
@@ -169,6 +202,8 @@ def fa3_shape(kind: str, ptx: str, *, qk_n: int, min_bare_ex2: int, overlap: boo
         fails.append(f"{kind}: no shared-memory-A wgmma (the score product)")
     elif min(smem_a) < qk_n:
         fails.append(f"{kind}: score wgmma N = {min(smem_a)} < {qk_n}")
+    elif max(smem_a) < (qk_n if full_n is None else full_n):
+        fails.append(f"{kind}: the widest score wgmma has N = {max(smem_a)} < {full_n} (the full tiles' product)")
     if not any(reg for _, reg in forms):
         fails.append(f"{kind}: no register-A wgmma")
     if overlap and not any(n >= 1 for n in wgmma_waits(ptx)):

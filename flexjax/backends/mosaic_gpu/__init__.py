@@ -119,10 +119,10 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
     128, 64 keys: at 128, 5 of the 10 catalog entries spilled 4-288 B per thread, mask-only ones
     too, so no rule by mod kind keeps it). The backward's
     dQ takes 64-key steps (S and dP m64n64). dK/dV (two consumer warpgroups, ``_kernels.
-    dkv_consumers``) takes 64-query steps at head dim 64 and 32 at 128: there a thread's dK and
-    dV accumulators take 128 of its 240 registers, and with 64-wide S^T and dP^T tiles 17 of 18
-    configurations spilled 12-224 B per thread (none at 32). One consumer with 255 registers
-    spilled on 10 of 18 at 64 (8-108 B).
+    dkv_consumers``) takes 64-query steps (S^T and dP^T m64n64). At head dim 128, where a thread's
+    dK and dV accumulators take 128 of its 240 registers, its partial tiles run as two 32-query
+    sub-steps (``_kernels.dkv_masked_q``: whole, they spilled 12-80 B per thread in the steps), and
+    with dropout every step takes 32 queries (at 64 the full steps spilled 32-160 B in the loop).
     sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
     (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
     thread (sliding window + ALiBi, D = 64 and 128), none at 32."""
@@ -133,7 +133,7 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
         tk, bwd_q, bwd_k = 32, 32, 32
     else:
         tk = 64 if dropout and head_dim > 64 else 128
-        bwd_q, bwd_k = (64 if head_dim <= 64 else 32), 64
+        bwd_q, bwd_k = (32 if dropout and head_dim > 64 else 64), 64
     return KernelOptions(target="cuda", interpret=False, block_q=_kernels.cta_rows(arch), block_kv=tk,
                          bwd_block_q=bwd_q, bwd_block_kv=bwd_k, num_stages=2, bwd_num_stages=2,
                          compute_capability=compute_capability)

@@ -58,12 +58,23 @@ def dkv_consumers(arch) -> int:
     """Consumer warpgroups of the dK/dV kernel, each owning ``arch.rows`` key rows: two on sm_90a
     (FlashAttention-3's backward: 240 registers a thread after ``setmaxnreg``; the two share each
     Q / dO tile the producer loads, and one's softmax runs while the other's MMAs do). At head dim
-    128 a thread then holds 128 registers of dK and dV accumulators, and the 32-query steps
-    (``heuristics``) compile spill-free on every catalog entry; 64-query steps spilled 12-224 B
-    per thread on 17 of 18. One on sm_100a, whose warpgroups own 128 rows: two consumers'
-    accumulators at D = 128 would pass the 512 tensor-memory columns, and at 64 their 256 key rows
-    span two of the BlockMask's default 128-blocks (tile lists regrouped in XLA)."""
+    128 a thread then holds 128 registers of dK and dV accumulators beside the 64-query S^T and
+    dP^T tiles of a full step; the partial steps run in 32-query sub-steps (``dkv_masked_q``).
+    One on sm_100a, whose warpgroups own 128 rows: two consumers' accumulators at D = 128 would
+    pass the 512 tensor-memory columns, and at 64 their 256 key rows span two of the BlockMask's
+    default 128-blocks (tile lists regrouped in XLA)."""
     return 2 if arch.name == "sm_90a" else 1
+
+
+def dkv_masked_q(arch, D: int, tq: int) -> int:
+    """Queries per sub-step of a dK/dV step on a partial tile (where the mask_mod and the length
+    tests apply): 32 on sm_90a at head dim > 64, else the step's own ``tq``. A step's Q and dO tiles
+    are loaded whole; a partial one runs over slices of them. At head dim 128, with S^T and dP^T
+    m64n64 (``tq`` 64) the full steps compile without spilling in the loop beside dK and dV's 128
+    accumulator registers; whole partial steps, which add the mask's index arithmetic, spilled
+    12-80 B per thread (causal, chunked_causal, causal_bottom_right_cache, soft-cap; BENCHMARKS.md).
+    The sub-steps' MMAs take K = 32, so the kernel's tiles keep a 64-byte swizzle."""
+    return min(tq, 32) if arch.name == "sm_90a" and D > 64 else tq
 
 
 # Registers a thread after ``setmaxnreg`` in a CTA of a producer and two consumer warpgroups
@@ -863,20 +874,22 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
     the ring; in the interpreter also Q^T and dO^T, transposed in XLA."""
     B, Hq, Hkv, D, tq, R = g.B, g.Hq, g.Hkv, q.shape[-1], g.tq, arch.rows
     W = dkv_consumers(arch)
+    tq_m = dkv_masked_q(arch, D, tq)
     dtype = q.dtype
     n_rows, n_cols, n_dc = len(rows), len(cols), len(d_col_ids)
     q_n, q_i, fq_n, fq_i = lists.by_kv
 
     def kernel(*refs):
         it = iter(refs)
-        q_n_r, q_i_r, fq_n_r, fq_i_r, order_r, qt_ref, dot_ref, q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref = (
-            next(it) for _ in range(13))
+        (q_n_r, q_i_r, fq_n_r, fq_i_r, order_r, qt_ref, dot_ref, q_ref, do_ref, k_ref, v_ref, lse_ref, delta_ref,
+         pos_ref) = (next(it) for _ in range(14))
         row_refs = tuple(next(it) for _ in range(n_rows))
         col_refs = tuple(next(it) for _ in range(n_cols))
         seed_ref = next(it) if rate else None
         dk_ref, dv_ref = next(it), next(it)
         dcol_refs = tuple(next(it) for _ in range(n_dc))
-        (k_smem, v_smem, p_smem, ring, vec_ring, _, col_smem, dcol_smem), bars, mma = next(it), next(it), next(it)
+        (k_smem, v_smem, p_smem, ring, vec_ring, pos_smem, col_smem, dcol_smem), bars, mma = (
+            next(it), next(it), next(it))
         qt_smem, dot_smem, q_smem, do_smem = ring
         ring_bar, ring_free, vec_bar, kv_bar = bars
         kvh, b = lax.axis_index("h"), lax.axis_index("b")
@@ -938,9 +951,10 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
             unit = arch.unit(mma, wg, tq, {"dk": D, "dv": D})
             plgpu.copy_gmem_to_smem(k_ref.at[b, sl, kvh], my_k, kv_bar.at[wg * 2])
             plgpu.copy_gmem_to_smem(v_ref.at[b, sl, kvh], my_v, kv_bar.at[wg * 2 + 1])
+            plgpu.copy_gmem_to_smem(pos_ref, pos_smem.at[wg], kv_bar.at[W * 3 + wg])
             plgpu.barrier_wait(kv_bar.at[wg * 2])
             plgpu.barrier_wait(kv_bar.at[wg * 2 + 1])
-            shape = (R, tq)
+            plgpu.barrier_wait(kv_bar.at[W * 3 + wg])
 
             def head(gi, carry):
                 dk, dv, t0 = carry
@@ -956,55 +970,71 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                     col_vals.append(_load(arch, col_smem[c].at[wg], 0))
 
                 def step(masked):
-                    def body(u, c):
-                        dk, dv, dcs = c
-                        t = t0 + u
-                        slot = _rem(t, stages)
-                        qs = walk.tile(u) * tq
+                    # A masked step runs as sub-steps of ``tq_m`` queries (``dkv_masked_q``) over
+                    # slices of its ring slot; a full step is one tile of ``tq``.
+                    w = tq_m if masked else tq
+
+                    def part(dk, dv, dcs, slot, qs, off):
+                        def q_rows(ref):  # rows off .. off + w of a (tq, D) slot of Q or dO
+                            return ref.at[slot] if w == tq else ref.at[slot, pl.ds(off, w)]
+
+                        def q_cols(ref):  # the same queries of a (D, tq) slot of Q^T or dO^T (interpreter)
+                            return ref.at[slot] if w == tq else ref.at[slot, :, pl.ds(off, w)]
+
+                        def vec(n):
+                            return vec_ring[n].at[slot] if w == tq else vec_ring[n].at[slot, pl.ds(off, w)]
+
+                        shape = (R, w)
+                        q_tile, do_tile = q_rows(q_smem), q_rows(do_smem)
                         # S^T = K Q^T and dP^T = V dO^T: on the GPU through the transposed views of
-                        # the Q and dO tiles (rings 2 and 3), in the interpreter from Q^T and dO^T's.
-                        qt_at, dot_at = (2, 3) if arch.views else (0, 1)
-                        plgpu.barrier_wait(ring_bar.at[qt_at * stages + slot])
-                        qkt = unit.fresh(my_k, _t(arch, q_smem.at[slot]) if arch.views else qt_smem.at[slot])
-                        plgpu.barrier_wait(ring_bar.at[dot_at * stages + slot])
-                        if not arch.views:
-                            plgpu.barrier_wait(ring_bar.at[3 * stages + slot])
-                        for n in range(n_vec):
-                            plgpu.barrier_wait(vec_bar.at[n * stages + slot])
-                        lse_t = arch.broadcast(_load(arch, vec_ring[0].at[slot], 1) * LOG2E, shape, [1])
+                        # the Q and dO tiles, in the interpreter from Q^T and dO^T's.
+                        qkt = unit.fresh(my_k, _t(arch, q_tile) if arch.views else q_cols(qt_smem))
+                        lse_t = arch.broadcast(_load(arch, vec(0), 1) * LOG2E, shape, [1])
 
                         def delta_t():  # read once dP^T is formed: the tile is not live across the MMAs
-                            return arch.broadcast(_load(arch, vec_ring[1].at[slot], 1), shape, [1])
-                        row_vals = [arch.broadcast(_load(arch, vec_ring[2 + r].at[slot], 1), shape, [1])
-                                    for r in range(n_rows)]
+                            return arch.broadcast(_load(arch, vec(1), 1), shape, [1])
+                        row_vals = [arch.broadcast(_load(arch, vec(2 + r), 1), shape, [1]) for r in range(n_rows)]
                         col_tiles = [arch.broadcast(x, shape, [0]) for x in col_vals]
                         kv_iota = k0 + arch.iota(shape, 0)
                         kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
-                        q_iota = qs + arch.iota(shape, 1)
+                        # The queries' offsets in the step (off .. off + w - 1, one per column) are read
+                        # from shared memory each step, not an iota: an iota's values are fixed over the
+                        # walk and LLVM held them in registers across it (16 a thread at w = 64); on JAX
+                        # 0.11.2's stack causal + soft-cap (GQA) then spilled in its steps.
+                        pos = _load(arch, pos_smem.at[wg] if w == tq else pos_smem.at[wg, pl.ds(off, w)], 1)
+                        q_iota = qs + arch.broadcast(pos, shape, [1])
                         q_idx = jnp.minimum(q_iota, g.q_len - 1)
                         valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)
-                        keep = drop.keep(drop.q_hash(qs, tq, 1, g.q_len), kv_hash, shape, 1) if drop else None
+                        keep = drop.keep(drop.q_hash(qs + off, w, 1, g.q_len), kv_hash, shape, 1) if drop else None
+                        p_at = None if my_p is None else (my_p if w == tq else my_p.at[:, pl.ds(0, w)])
                         dvs = [dv]
 
                         def dv_step(pt):  # dV += P^T dO, before dP^T is formed (S^T and dP^T never both live)
-                            dvs[0] = unit.add(dvs[0], "dv", arch.a_operand(pt, my_p, dtype), do_smem.at[slot])
+                            dvs[0] = unit.add(dvs[0], "dv", arch.a_operand(pt, p_at, dtype), do_tile)
 
                         def dpt():
-                            return unit.fresh(my_v, _t(arch, do_smem.at[slot]) if arch.views else dot_smem.at[slot])
+                            return unit.fresh(my_v, _t(arch, do_tile) if arch.views else q_cols(dot_smem))
 
                         _, dst, _, d_cols = _tile_probs(arch, mods, qkt, scale, lse_t, delta_t, dpt, b, h, q_idx,
                                                         kv_idx, valid, masked, row_vals, col_tiles, n_srows, n_scols,
                                                         on_p=dv_step, keep=keep,
                                                         inv_keep=drop.inv_keep if drop else 1.0)
-                        dv = dvs[0]
-                        dsa = arch.a_operand(dst, my_p, dtype)
-                        if not arch.views:
-                            plgpu.barrier_wait(ring_bar.at[2 * stages + slot])
-
-                        dk = unit.add(dk, "dk", dsa, q_smem.at[slot])
-                        plgpu.barrier_arrive(ring_free.at[slot])
+                        dk = unit.add(dk, "dk", arch.a_operand(dst, p_at, dtype), q_tile)
                         dcs = tuple(a + d_cols[c].sum(axis=1) for a, c in zip(dcs, d_col_ids))
-                        return dk, dv, dcs
+                        return dk, dvs[0], dcs
+
+                    def body(u, c):
+                        t = t0 + u
+                        slot = _rem(t, stages)
+                        qs = walk.tile(u) * tq
+                        for n in range(2 if arch.views else 0, 4):  # (Q^T, dO^T in the interpreter), Q, dO
+                            plgpu.barrier_wait(ring_bar.at[n * stages + slot])
+                        for n in range(n_vec):
+                            plgpu.barrier_wait(vec_bar.at[n * stages + slot])
+                        for off in range(0, tq, w):
+                            c = part(*c, slot, qs, off)
+                        plgpu.barrier_arrive(ring_free.at[slot])
+                        return c
 
                     return body
 
@@ -1028,8 +1058,9 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
             plgpu.copy_smem_to_gmem(my_v, dv_ref.at[b, sl, kvh])
             plgpu.wait_smem_to_gmem(0)
 
-    # One swizzle for every tile (wgmma takes both operands with the same): the query tile's.
-    tr = tr_q = _transforms(dtype, tq)
+    # One swizzle for every tile (wgmma takes both operands with the same): that of a partial
+    # sub-step's query tile (P^T dO and dS^T Q take K = tq_m; a 128-byte swizzle needs K >= 64).
+    tr = tr_q = _transforms(dtype, tq_m)
     vec_dtypes = (jnp.float32, jnp.float32) + tuple(r.dtype for r in rows)
     transposed = () if arch.views else plgpu.SMEM((stages, D, tq), dtype, transforms=tr_q)
     scratch = (
@@ -1039,13 +1070,13 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
          (transposed, transposed,
           plgpu.SMEM((stages, tq, D), dtype, transforms=tr), plgpu.SMEM((stages, tq, D), dtype, transforms=tr)),
          tuple(plgpu.SMEM((stages, tq), dt) for dt in vec_dtypes),
-         (),
+         plgpu.SMEM((W, tq), jnp.int32),
          tuple(plgpu.SMEM((W, R), c.dtype) for c in cols),
          plgpu.SMEM((W, max(n_dc, 1), R), jnp.float32)),
         (plgpu.Barrier(num_barriers=4 * stages),
          plgpu.Barrier(num_arrivals=W, num_barriers=stages),
          plgpu.Barrier(num_barriers=len(vec_dtypes) * stages),
-         plgpu.Barrier(num_barriers=W * 3)),
+         plgpu.Barrier(num_barriers=W * 4)),
         arch.scratch(W, tq, {"dk": D, "dv": D}),
     )
     vec = jax.ShapeDtypeStruct((B, Hq, g.skv), jnp.float32)
@@ -1056,7 +1087,9 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
     # Heaviest key columns first, weighed over every head (a CTA walks the heads of its group).
     order = heaviest_first(q_n, fq_n, g.sub_k, axis_sum=1)
     # The GPU form passes Q and dO twice (read through transposed views; no XLA transposes).
-    return call(q_n, q_i, fq_n, fq_i, order, _kt(arch, q), _kt(arch, do), q, do, k, v, lse, delta, *rows, *cols,
+    # ``pos``: 0 .. tq - 1, the query offsets within a step (``q_iota`` above).
+    return call(q_n, q_i, fq_n, fq_i, order, _kt(arch, q), _kt(arch, do), q, do, k, v, lse, delta,
+                jnp.arange(tq, dtype=jnp.int32), *rows, *cols,
                 *(_seed(seed) if rate else ()))
 
 
