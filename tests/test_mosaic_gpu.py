@@ -134,7 +134,8 @@ def test_pipelined_full_tiles_with_dropout():
 @pytest.mark.mosaic_gpu
 def test_head_dim_128_backward():
     """Head dim 128 with the default tiles: dK/dV's two consumer warpgroups (128 key rows per CTA,
-    the second padded: 200 keys) and 32-query steps, with a score_mod whose slope is folded into P."""
+    the second padded: 200 keys) and 64-query steps, the partial ones (the diagonal tiles) run as two
+    32-query sub-steps and the full one below them whole, with a score_mod whose slope is folded into P."""
     check_case("mosaic_gpu", "causal+soft_cap", (1, 160, 200, 2, 1, 128, 128), jnp.bfloat16,
                kernel_options={"compute_capability": 90})
 
