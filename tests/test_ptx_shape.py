@@ -20,6 +20,7 @@ from ptx_shape import (  # noqa: E402
     hopper_shape,
     instruction_mix,
     sass_spills,
+    tcgen05_chained,
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
@@ -216,3 +217,13 @@ def test_sass_spills_finds_the_spills_in_the_mma_loops():
     without = SASS.replace("        /*0030*/                   LDL R2, [R1] ;\n", "")
     assert sass_spills(without) == {"in_mma_loops": 0, "outside": 4}
     assert sass_spills("        /*0000*/                   EXIT ;\n") == {"in_mma_loops": 0, "outside": 0}
+
+
+def test_tcgen05_chained():
+    mma = "\ttcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, %p5;\n"
+    commit = "\t@%p1 tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%rd12];\n"
+    wait = "\tmbarrier.try_wait.parity.shared.b64 P1, [%r3], %r4;\n"
+    # Each MMA committed and waited for before the next: none in flight together.
+    assert not tcgen05_chained((mma * 8 + commit + wait) * 2)
+    # Q K^T committed, then P·V issued before the wait: two in flight.
+    assert tcgen05_chained(wait + mma * 8 + commit + mma * 2 + commit + wait)

@@ -13,7 +13,8 @@ compile it for the configuration's arch or its PTX lacks the arch's tensor-core 
 if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
 its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on both), or, on
-sm_100a, if its tensor memory exceeds 512 columns; on sm_90a, also if its PTX is not in
+sm_100a, if its tensor memory exceeds 512 columns or its forward never has two tcgen05 MMAs in flight
+(``ptx_shape.tcgen05_chained``); on sm_90a, also if its PTX is not in
 FlashAttention-3's shape (``ptx_shape.fa3_shape``). The table (``--out``) lists each kernel's
 warpgroup layout: one producer warpgroup (TMA, 32 registers after ``setmaxnreg``) and two
 consumer warpgroups (240); the dK/dV kernel, a producer and two consumers on sm_90a, one on sm_100a.
@@ -49,6 +50,7 @@ from ptx_shape import (  # noqa: E402
     fa3_shape,
     hlo_transposes,
     sass_spills,
+    tcgen05_chained,
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
@@ -264,8 +266,12 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
                 least, full = score_n_floor(short, D, dropout)
                 problems += fa3_shape(short, ptx, qk_n=least, full_n=full, min_bare_ex2=tile,
                                       overlap=short == "fwd" and _kernels.fwd_overlap(unit))
-            elif res["bare_ex2"] < tile:
-                problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
+            else:
+                if res["bare_ex2"] < tile:
+                    problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
+                if short == "fwd" and _kernels.fwd_overlap(unit) and not tcgen05_chained(ptx):
+                    problems.append("fwd: no tcgen05 MMA issued while another is in flight (the full tiles' "
+                                    "Q K^T with the previous P·V)")
         row[short] = {**(res or {}), "smem": smem[short], **({"tmem": tmem[short]} if tmem else {})}
         if row["status"] != "ok":
             continue

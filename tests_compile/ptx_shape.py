@@ -144,6 +144,24 @@ def wgmma_serialized(ptxas_report: str) -> dict[str, str]:
     return {name: reason for reason, name in _SERIALIZED.findall(ptxas_report)}
 
 
+_TC_EVENT = re.compile(r"^\s*(?:@!?%?\w+\s+)?(tcgen05\.mma|tcgen05\.commit|mbarrier\.try_wait)", re.M)
+
+
+def tcgen05_chained(ptx: str) -> bool:
+    """Whether an sm_100a kernel's PTX issues a tcgen05 MMA after committing another with no
+    barrier wait between them: two MMAs in flight (the forward's Q K^T and the previous tile's
+    P·V, the softmax running before the second is waited for)."""
+    committed = False
+    for op in _TC_EVENT.findall(ptx):
+        if op == "tcgen05.commit":
+            committed = True
+        elif op == "mbarrier.try_wait":
+            committed = False
+        elif committed:
+            return True
+    return False
+
+
 _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _SASS_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
 _SASS_EXIT = re.compile(r"\bEXIT\b")

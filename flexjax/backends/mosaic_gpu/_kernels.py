@@ -84,13 +84,14 @@ PRODUCER_REGISTERS, CONSUMER_REGISTERS = 32, 240
 
 def fwd_overlap(arch) -> bool:
     """Whether the forward runs its full tiles pipelined, FlashAttention-3's intra-warpgroup
-    overlap (sm_90a, both head dims): each step issues Q K^T of its tile with P·V of the previous
-    one and runs its softmax while P·V is in flight. The partial tiles (those the mask_mod is
-    applied to) stay one tile per step: with the overlap there, ptxas hoisted the mask's index
-    arithmetic into the Q K^T wait (live registers peaked at 238 of 240) and 184-372 B per thread
-    spilled (chunked_causal, neg_inf_score, sliding window + ALiBi at D = 64). sm_100a's tcgen05
-    unit waits for each MMA as it is issued: it has no overlapping form."""
-    return arch.name == "sm_90a"
+    overlap (both archs, both head dims): each step issues Q K^T of its tile with P·V of the
+    previous one and runs its softmax while P·V is in flight (sm_100a: the two tcgen05 MMAs
+    committed to two barriers, FlashAttention-4's asynchronous chain; ``_mma.qk_pv``). The
+    partial tiles (those the mask_mod is applied to) stay one tile per step: with the overlap
+    there, ptxas hoisted the mask's index arithmetic into the Q K^T wait (live registers peaked at
+    238 of 240) and 184-372 B per thread spilled (chunked_causal, neg_inf_score, sliding window +
+    ALiBi at D = 64, sm_90a)."""
+    return True
 
 
 def cta_rows(arch) -> int:
@@ -480,7 +481,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 return m, l, acc
 
             # One tile per step: Q K^T, the softmax, P·V. sm_90a waits for the next K tile while P·V
-            # runs; sm_100a's tcgen05 unit waits for each MMA as soon as it is issued, so there it
+            # runs; sm_100a's serial steps wait for each MMA as soon as it is issued, so there it
             # waits at the step's start (the early wait spilled 8 B per thread in the sm_100a
             # forward, "padding", D = 128).
             early_k = arch.name == "sm_90a"

@@ -9,8 +9,8 @@ architectures:
 - ``zeros(name)``, ``add(acc, name, a, b, after)``, ``scale(acc, name, alpha)``,
   ``chunks(acc, name)``: a running ``(rows, D)`` float32 accumulator (``O``, ``dQ``, ``dK``,
   ``dV``) that the caller threads through its loops as ``acc``;
-- ``qk_pv(...)`` (Hopper only): a fresh product and an accumulating one issued together, with a
-  function of the fresh one computed while the other runs (the forward's intra-warpgroup overlap).
+- ``qk_pv(...)``: a fresh product and an accumulating one issued together, with a function of
+  the fresh one computed while the other runs (the forward's intra-warpgroup overlap).
 
 Each arch has a GPU form and an interpreter form (``emulate=True``), for what Mosaic GPU's
 interpreter cannot run. The GPU form reads K, V, Q and dO tiles through transposed views of their
@@ -29,7 +29,8 @@ is added in registers, and A operands go through shared memory.
 thread); the accumulators live in tensor memory (TMEM), so they cost no registers: ``add`` is an
 MMA that accumulates there, ``scale`` a TMEM load, multiply and store, ``chunks`` the loads of
 the epilogue (``acc`` is an empty tuple). Each MMA is issued by one thread, committed to a
-barrier that orders the tensor core, and waited on before its result or inputs are touched.
+barrier that orders the tensor core, and waited on before its result or inputs are touched;
+``qk_pv`` commits its two MMAs to two barriers and waits for the second after the softmax.
 The consumer's TMEM columns: one ``fresh`` slot as wide as the widest fresh product, then each
 accumulator's ``D`` columns.
 
@@ -226,12 +227,13 @@ class Blackwell(_Arch):
 
     def scratch(self, units: int, fresh: int, accs: dict[str, int]):
         cols = units * self.columns(fresh, accs)
+        # Two tensor-core barriers a unit: one for each MMA of ``qk_pv`` in flight together.
         if self.emulate:
-            return (plgpu.SMEM((self.rows, cols), jnp.float32), plgpu.Barrier(num_barriers=units))
+            return (plgpu.SMEM((self.rows, cols), jnp.float32), plgpu.Barrier(num_barriers=2 * units))
         # Tensor memory is allocated in powers of two columns (32 to 512).
         alloc = max(32, 1 << (cols - 1).bit_length())
         return (plgpu.TMEM((self.rows, alloc), jnp.float32),
-                plgpu.Barrier(num_barriers=units, orders_tensor_core=True))
+                plgpu.Barrier(num_barriers=2 * units, orders_tensor_core=True))
 
     def unit(self, scratch, index, fresh: int, accs: dict[str, int]):
         mem, bar = scratch
@@ -240,12 +242,12 @@ class Blackwell(_Arch):
         for name, width in accs.items():
             offsets[name] = at
             at += width
-        return _Tcgen05Unit(self, mem, bar.at[index], base, offsets, accs)
+        return _Tcgen05Unit(self, mem, (bar.at[2 * index], bar.at[2 * index + 1]), base, offsets, accs)
 
 
 class _Tcgen05Unit:
-    def __init__(self, arch, mem, bar, fresh_at, offsets, accs):
-        self.arch, self.mem, self.bar = arch, mem, bar
+    def __init__(self, arch, mem, bars, fresh_at, offsets, accs):
+        self.arch, self.mem, (self.bar, self.bar2) = arch, mem, bars
         self.fresh_at, self.offsets, self.accs = fresh_at, offsets, accs
         self.emulate = arch.emulate
 
@@ -290,6 +292,28 @@ class _Tcgen05Unit:
         ref = self._cols(self.fresh_at, b.shape[1])
         self._mma(ref, a, b, False, after)
         return self._load(ref)
+
+    def qk_pv(self, a, b, acc, name, pa, v, soft, like, after=None):
+        """``s = a @ b`` into the fresh slot and ``acc += pa @ v`` issued together (``after`` once
+        both are), each committed to its own tensor-core barrier; ``soft(s)`` runs once the first
+        is waited for, while the second is in flight (FlashAttention-3's intra-warpgroup overlap,
+        FlashAttention-4's asynchronous MMA chain). Returns (``soft(s)``, ``acc``); the second MMA
+        is waited for before it returns (its A, P in shared memory, is then free). In the
+        interpreter the two run one after the other."""
+        if self.emulate:
+            acc = self.add(acc, name, pa, v)
+            return soft(self.fresh(a, b, after)), acc
+        ref = self._cols(self.fresh_at, b.shape[1])
+        plgpu.tcgen05_mma(ref, a, b, accumulate=False)
+        plgpu.tcgen05_commit_arrive(self.bar)
+        plgpu.tcgen05_mma(self._cols(self.offsets[name], self.accs[name]), pa, v, accumulate=True)
+        plgpu.tcgen05_commit_arrive(self.bar2)
+        if after is not None:
+            after()
+        plgpu.barrier_wait(self.bar)
+        out = soft(self._load(ref))
+        plgpu.barrier_wait(self.bar2)
+        return out, acc
 
     def zeros(self, name):
         z = plgpu.layout_cast(jnp.full((self.arch.rows, CHUNK), 0.0, jnp.float32), self.arch.layout(None))
