@@ -73,17 +73,15 @@ KERNELS = ("flexjax_mgpu_fwd", "flexjax_mgpu_dq", "flexjax_mgpu_dkv")
 # thread outside them (a register stored before a walk and loaded after it, once per head or kernel),
 # or any spill at all where the SASS cannot be had (no ptxas that takes the PTX, or no nvdisasm).
 # Seen outside the loops, on the GPU machine's ptxas (JAX 0.11.2, CUDA 13): the sm_90a forward at
-# D = 128 with "sliding_window+alibi" (4 B, with its full tiles pipelined), and the sm_90a dK/dV at
+# D = 128 with "sliding_window+alibi" (4 B, with its full tiles pipelined), the sm_90a dK/dV at
 # D = 128 with "neg_inf_score" (12 B stored, 20 B loaded) and with "causal+soft_cap" GQA (8 B, 16 B),
-# around each head's partial and full walks since its full steps took 64 queries.
+# around each head's partial and full walks since its full steps took 64 queries, and the sm_100a
+# forward at D = 64 with "full" (4 B, since its full tiles run pipelined).
 SPILL_OUTSIDE_LIMIT = 32
-# The one kernel allowed a spill inside its MMA loops, keyed by (arch, kernel, head dim, catalog entry):
-# the sm_100a forward at D = 128 with "neg_inf_score" on CUDA 13's ptxas (none on CUDA 12's) stores
-# one register once at its start and loads it once per step (4 B stored, 8 B loaded per thread), since
-# the softmax's exponent became a bare ex2.approx (issue 44). Rescaling O 8 tensor-memory columns at a
-# time (from 16) cleared the same spill on "padding"; 4 columns is not a TMEM load shape, and an
-# optimization barrier between the exponents and the rescale did not help.
-SPILL_IN_LOOPS: dict = {("sm_100a", "fwd", 128, "neg_inf_score"): 8}
+# Kernels allowed a spill inside their MMA loops, keyed by (arch, kernel, head dim, catalog entry) to
+# bytes per thread: none. (Until 2026-12-07 the sm_100a forward at D = 128 with "neg_inf_score" loaded
+# one spilled register once per step on CUDA 13's ptxas; with its full tiles pipelined it spills none.)
+SPILL_IN_LOOPS: dict = {}
 
 
 def _configs(quick: bool, all_dropout: bool = False):
