@@ -126,7 +126,8 @@ def test_pipelined_full_tiles_on_blackwell(name):
     """sm_100a's forward runs its full tiles pipelined too (``_Tcgen05Unit.qk_pv``: Q K^T and the
     previous tile's P·V committed to two tensor-core barriers, the softmax run while P·V is in
     flight); the second CTA's (query rows 256 .. 511) first 256 keys are full tiles of 32."""
-    check_case("mosaic_gpu", name, (1, 512, 512, 1, 1, 64, 64), jnp.bfloat16, kernel_options={"compute_capability": 100})
+    check_case("mosaic_gpu", name, (1, 512, 512, 1, 1, 64, 64), jnp.bfloat16,
+               kernel_options={"compute_capability": 100})
 
 
 @pytest.mark.mosaic_gpu
