@@ -198,8 +198,8 @@ def score_n_floor(kernel: str, D: int, dropout: bool) -> tuple[int, int]:
     heuristics``) keep narrower tiles because the wider ones spilled: the forward with dropout at
     head dim 128 (64 keys: 5 of the 10 entries spilled 4-288 B at 128); dK/dV at head dim 128, whose
     partial tiles run 32-query sub-steps (``_kernels.dkv_masked_q``; one tile of 64 spilled 12-80 B
-    there), and with dropout 32-query steps throughout (the full ones spilled 44-48 B at 64;
-    BENCHMARKS.md)."""
+    there), and with dropout 32-query steps throughout (at 64 the full ones spilled 32-160 B per
+    thread, in the loop; BENCHMARKS.md)."""
     if kernel == "fwd":
         return (64, 64) if dropout and D > 64 else (128, 128)
     if kernel == "dkv" and D > 64:
