@@ -27,6 +27,7 @@ and the suite checks the arch ptxas compiled for in its report.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -120,6 +121,7 @@ def _parse_ptxas(text: str) -> dict:
     return out
 
 
+@functools.cache
 def _sass_tools():
     """(ptxas candidates, nvdisasm) for locating spills: the PATH's, the CUDA root Mosaic GPU points at,
     and the pip packages' (nvidia's ptxas, Triton's nvdisasm); None where no nvdisasm is found."""

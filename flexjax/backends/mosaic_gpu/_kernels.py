@@ -976,17 +976,17 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                     w = tq_m if masked else tq
 
                     def part(dk, dv, dcs, slot, qs, off):
-                        def q_rows(ref):  # rows off .. off + w of a (tq, D) slot of Q or dO
-                            return ref.at[slot] if w == tq else ref.at[slot, pl.ds(off, w)]
+                        def q_at(ref, *lead):  # ``ref.at[lead]``'s queries off .. off + w (the next axis)
+                            return ref.at[lead] if w == tq else ref.at[(*lead, pl.ds(off, w))]
 
                         def q_cols(ref):  # the same queries of a (D, tq) slot of Q^T or dO^T (interpreter)
-                            return ref.at[slot] if w == tq else ref.at[slot, :, pl.ds(off, w)]
+                            return q_at(ref, slot, slice(None))
 
                         def vec(n):
-                            return vec_ring[n].at[slot] if w == tq else vec_ring[n].at[slot, pl.ds(off, w)]
+                            return q_at(vec_ring[n], slot)
 
                         shape = (R, w)
-                        q_tile, do_tile = q_rows(q_smem), q_rows(do_smem)
+                        q_tile, do_tile = q_at(q_smem, slot), q_at(do_smem, slot)
                         # S^T = K Q^T and dP^T = V dO^T: on the GPU through the transposed views of
                         # the Q and dO tiles, in the interpreter from Q^T and dO^T's.
                         qkt = unit.fresh(my_k, _t(arch, q_tile) if arch.views else q_cols(qt_smem))
@@ -1002,7 +1002,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
                         # from shared memory each step, not an iota: an iota's values are fixed over the
                         # walk and LLVM held them in registers across it (16 a thread at w = 64); on JAX
                         # 0.11.2's stack causal + soft-cap (GQA) then spilled in its steps.
-                        pos = _load(arch, pos_smem.at[wg] if w == tq else pos_smem.at[wg, pl.ds(off, w)], 1)
+                        pos = _load(arch, q_at(pos_smem, wg), 1)
                         q_iota = qs + arch.broadcast(pos, shape, [1])
                         q_idx = jnp.minimum(q_iota, g.q_len - 1)
                         valid = (q_iota < g.q_len) & (kv_iota < g.kv_len)

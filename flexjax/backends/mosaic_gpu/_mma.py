@@ -183,8 +183,7 @@ class _WgmmaUnit:
         ``soft``'s outputs leave through plain state the run discharges. The interpreter's form
         issues P·V then Q K^T one after the other."""
         if not self.in_place:
-            acc = self.add(acc, name, pa, v)
-            return soft(self.fresh(a, b, after)), acc
+            return _serial_qk_pv(self, a, b, acc, name, pa, v, soft, after)
         n, w = len(acc), self._width(name)
         s0 = plgpu.layout_cast(jnp.full((self.arch.rows, b.shape[1]), 0.0, jnp.float32),
                                self.arch.layout(None))
@@ -212,6 +211,12 @@ class _WgmmaUnit:
 
     def chunks(self, acc, name):
         return acc
+
+
+def _serial_qk_pv(unit, a, b, acc, name, pa, v, soft, after):
+    """``qk_pv`` in the interpreters' forms: P·V, then Q K^T and ``soft`` of it, one after the other."""
+    acc = unit.add(acc, name, pa, v)
+    return soft(unit.fresh(a, b, after)), acc
 
 
 class Blackwell(_Arch):
@@ -265,11 +270,16 @@ class _Tcgen05Unit:
             x = pl.run_scoped(mma, plgpu.ACC((self.arch.rows, b.shape[1]), jnp.float32))
             dst[...] = dst[...] + x if accumulate else x
             return
-        plgpu.tcgen05_mma(dst, a, b, accumulate=accumulate)
-        plgpu.tcgen05_commit_arrive(self.bar)
+        self._issue(dst, a, b, accumulate, self.bar)
         if after is not None:
             after()
         plgpu.barrier_wait(self.bar)
+
+    @staticmethod
+    def _issue(dst, a, b, accumulate: bool, bar):
+        """A tcgen05 MMA committed to ``bar``, not waited for."""
+        plgpu.tcgen05_mma(dst, a, b, accumulate=accumulate)
+        plgpu.tcgen05_commit_arrive(bar)
 
     def _load(self, ref):
         if self.emulate:
@@ -301,13 +311,10 @@ class _Tcgen05Unit:
         is waited for before it returns (its A, P in shared memory, is then free). In the
         interpreter the two run one after the other."""
         if self.emulate:
-            acc = self.add(acc, name, pa, v)
-            return soft(self.fresh(a, b, after)), acc
+            return _serial_qk_pv(self, a, b, acc, name, pa, v, soft, after)
         ref = self._cols(self.fresh_at, b.shape[1])
-        plgpu.tcgen05_mma(ref, a, b, accumulate=False)
-        plgpu.tcgen05_commit_arrive(self.bar)
-        plgpu.tcgen05_mma(self._cols(self.offsets[name], self.accs[name]), pa, v, accumulate=True)
-        plgpu.tcgen05_commit_arrive(self.bar2)
+        self._issue(ref, a, b, False, self.bar)
+        self._issue(self._cols(self.offsets[name], self.accs[name]), pa, v, True, self.bar2)
         if after is not None:
             after()
         plgpu.barrier_wait(self.bar)
