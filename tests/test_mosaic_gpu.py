@@ -121,11 +121,15 @@ def test_pipelined_full_tiles(name):
 
 
 @pytest.mark.mosaic_gpu
-@pytest.mark.parametrize("name", ["causal", "causal+soft_cap"])
-def test_pipelined_full_tiles_on_blackwell(name):
-    """sm_100a's forward runs its full tiles pipelined too (``_Tcgen05Unit.qk_pv``: Q K^T and the
-    previous tile's P·V committed to two tensor-core barriers, the softmax run while P·V is in
-    flight); the second CTA's (query rows 256 .. 511) first 256 keys are full tiles of 32."""
+@pytest.mark.parametrize("name", ["causal", "causal+soft_cap", "full"])
+def test_pipelined_chain_on_blackwell(name):
+    """sm_100a's forward runs every tile pipelined (``_Tcgen05Unit.qk_pv``: Q K^T and the previous
+    tile's P·V committed to two tensor-core barriers, the softmax run while P·V is in flight), the
+    partial ones masked, with 64-key steps whose scores are read from tensor memory in two 32-column
+    chunks (``_mma._InTmem``) and whose P alternates between two buffers. Causal: the second CTA
+    (query rows 256 .. 511) walks 4 partial tiles of 64 keys, then 4 full ones; "full": no partial
+    tile (the chain's unmasked first step). With the masked steps run unmasked, or every chunk's
+    exponent taken from the first chunk, causal's out is off by 1.3-2."""
     check_case("mosaic_gpu", name, (1, 512, 512, 1, 1, 64, 64), jnp.bfloat16,
                kernel_options={"compute_capability": 100})
 
@@ -234,6 +238,21 @@ def test_fa3_tiles_and_forms():
     assert _kernels.dkv_masked_q(_mma.Blackwell(), 128, 32) == 32
     # No P tile and no transposed copies in the GPU form's shared memory.
     assert _kernels.smem_bytes(128, 128, 32, 2, gpu)["fwd"] < _kernels.smem_bytes(128, 128, 32, 2, interp)["fwd"]
+    # sm_100a: 64-key forward steps, its scores read from tensor memory in 32-column chunks and P
+    # written to one of two shared-memory buffers as it goes (in the interpreter too).
+    assert backend.heuristics(100, 128).block_kv == backend.heuristics(100, 64).block_kv == 64
+    assert _kernels.p_buffers(_mma.Blackwell()) == _kernels.p_buffers(_mma.Blackwell(emulate=True)) == 2
+    assert (_kernels.p_buffers(gpu), _kernels.p_buffers(interp)) == (0, 1) and _mma.SCORE_CHUNK == 32
+
+
+def test_refuses_tiles_past_shared_memory():
+    """sm_100a at head dim 64 with 128-key forward steps: Q, two stages of K and V, and two P buffers
+    per consumer come to 224 KiB, and the row statistics take it past what a block may have
+    (Mosaic GPU refused the kernel at 233612 bytes): refused before compiling, with the reason."""
+    q, k, v = _qkv((1, 128, 2, 64))
+    reason = _reason(q, k, v, kernel_options={"target": "cuda", "compute_capability": 100, "block_kv": 128})
+    assert "forward kernel needs" in reason and "shared memory" in reason
+    flexjax.explain(q, k, v, backend="mosaic_gpu", kernel_options={"target": "cuda", "compute_capability": 100})
 
 
 def test_heaviest_first():

@@ -21,6 +21,7 @@ from ptx_shape import (  # noqa: E402
     instruction_mix,
     sass_spills,
     tcgen05_chained,
+    tcgen05_shapes,
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
@@ -227,3 +228,15 @@ def test_tcgen05_chained():
     assert not tcgen05_chained((mma * 8 + commit + wait) * 2)
     # Q K^T committed, then P·V issued before the wait: two in flight.
     assert tcgen05_chained(wait + mma * 8 + commit + mma * 2 + commit + wait)
+
+
+def test_tcgen05_shapes():
+    """The (M, N) of each tcgen05 MMA from its instruction descriptor (the sm_100a forward's at
+    D = 128, as Mosaic GPU emits them: Q K^T M128 N64, P·V M128 N128, their descriptors set once)."""
+    ptx = ("\tmov.b32 \t%r165, 135267472;\n\tmov.b32 \t%r3219, 136381584;\n"
+           "\t{\n\t.reg .b64 a_desc;\n"
+           "\ttcgen05.mma.cta_group::1.kind::f16 [%r3250], a_desc, b_desc, %r165, %p43;\n\t}\n"
+           "\ttcgen05.mma.cta_group::1.kind::f16 [%r4091], a_desc, b_desc, %r3219, %p244;\n"
+           "\ttcgen05.mma.cta_group::1.kind::f16 [%r1], a_desc, b_desc, %r7, %p1;\n")
+    assert tcgen05_shapes(ptx) == [(128, 64), (128, 128)]
+    assert tcgen05_shapes("") == []

@@ -13,11 +13,12 @@ compile it for the configuration's arch or its PTX lacks the arch's tensor-core 
 if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
 its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on both), or, on
-sm_100a, if its tensor memory exceeds 512 columns or its forward never has two tcgen05 MMAs in flight
-(``ptx_shape.tcgen05_chained``); on sm_90a, also if its PTX is not in
-FlashAttention-3's shape (``ptx_shape.fa3_shape``). The table (``--out``) lists each kernel's
-warpgroup layout: one producer warpgroup (TMA, 32 registers after ``setmaxnreg``) and two
-consumer warpgroups (240); the dK/dV kernel, a producer and two consumers on sm_90a, one on sm_100a.
+sm_100a, if its tensor memory exceeds 512 columns, its forward never has two tcgen05 MMAs in flight
+(``ptx_shape.tcgen05_chained``) or has one narrower than ``TCGEN05_FWD_N``
+(``ptx_shape.tcgen05_shapes``); on sm_90a, also if its PTX is not in FlashAttention-3's shape
+(``ptx_shape.fa3_shape``). The table (``--out``) lists each kernel's warpgroup layout: one
+producer warpgroup (TMA, 32 registers after ``setmaxnreg``) and two consumer warpgroups (240);
+the dK/dV kernel, a producer and two consumers on sm_90a, one on sm_100a.
 
 The topology's devices carry no compute capability, which Mosaic GPU reads to name the arch in
 its module; the backend is told the arch by ``kernel_options["compute_capability"]`` (90 / 100)
@@ -52,6 +53,7 @@ from ptx_shape import (  # noqa: E402
     hlo_transposes,
     sass_spills,
     tcgen05_chained,
+    tcgen05_shapes,
     tensor_core_ops,
     wgmma_forms,
     wgmma_serialized,
@@ -185,6 +187,9 @@ def _compile(f, args, mesh, dump_dir):
                 forms = wgmma_forms(ptx)
                 res["score_n"] = min((n for n, reg in forms if not reg), default=None)
                 res["score_n_full"] = max((n for n, reg in forms if not reg), default=None)
+                shapes = tcgen05_shapes(ptx)
+                if shapes:  # sm_100a: the least N of its MMAs (the forward's: Q K^T's, the key tile)
+                    res["score_n"] = res["score_n_full"] = min(n for _, n in shapes)
                 res["register_a"] = sum(reg for _, reg in forms)
                 res["bare_ex2"] = bare_ex2(ptx)
                 res["fa3"] = ptx  # judged in _compile_config, then dropped
@@ -208,6 +213,10 @@ def score_n_floor(kernel: str, D: int, dropout: bool) -> tuple[int, int]:
         return (32, 32) if dropout else (32, 64)
     return 64, 64
 
+
+# The least N of the sm_100a forward's tcgen05 MMAs (``ptx_shape.tcgen05_shapes``): Q K^T's N is
+# the key tile, 64 (32 until 2026-12-07; 128 with P in shared memory does not fit a block's).
+TCGEN05_FWD_N = 64
 
 # The tensor-core instructions (``ptx_shape.TENSOR_CORE_OPS``) that say which kernel ptxas got.
 EXPECTED_OPS = {"sm_90a": {"wgmma.mma_async"}, "sm_100a": set(TENSOR_CORE_OPS) - {"wgmma.mma_async"}}
@@ -269,6 +278,8 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             else:
                 if res["bare_ex2"] < tile:
                     problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
+                if short == "fwd" and (res.get("score_n") or 0) < TCGEN05_FWD_N:
+                    problems.append(f"fwd: least tcgen05 MMA N {res.get('score_n')} < {TCGEN05_FWD_N}")
                 if short == "fwd" and _kernels.fwd_overlap(unit) and not tcgen05_chained(ptx):
                     problems.append("fwd: no tcgen05 MMA issued while another is in flight (the full tiles' "
                                     "Q K^T with the previous P·V)")
@@ -416,7 +427,8 @@ def _each_arch(args) -> int:
                     "shared memory KiB (`_kernels.smem_bytes`) [/ TMEM columns "
                     "of the sm_100a kernels, of 512]; then, from the PTX: the score MMA's N (sm_90a: the N "
                     "of the wgmmas that read A from shared memory: Q K^T, S, dP, S^T, dP^T; least-widest where "
-                    "partial tiles run narrower sub-steps) / register-A wgmmas / "
+                    "partial tiles run narrower sub-steps; sm_100a: the least N of the tcgen05 MMAs, from their "
+                    "instruction descriptors) / register-A wgmmas / "
                     "bare `ex2.approx` exponents (not libdevice's range-reduced expf). XLA transposes: 4-D "
                     "transposes in the optimized HLO around the kernels.\n\n")
             f.write("| arch | case | D | dtype | heads | status | fwd: regs / spill / smem [/ TMEM] / score N / "

@@ -162,6 +162,24 @@ def tcgen05_chained(ptx: str) -> bool:
     return False
 
 
+_MOV_IMM = re.compile(r"\bmov\.b32\s+(%r\d+),\s*(\d+);")
+_TC_MMA_IDESC = re.compile(r"\btcgen05\.mma\.cta_group::\d\.kind::\w+\s+\[[^\]]*\],\s*[^,]+,\s*[^,]+,\s*(%r\d+)")
+
+
+def tcgen05_shapes(ptx: str) -> list[tuple[int, int]]:
+    """The (M, N) of each tcgen05 MMA in an sm_100a kernel's PTX, from its instruction descriptor:
+    the 32-bit register after the two smem descriptors, set from an immediate (``mov.b32``), with
+    N / 8 in bits 17-22 and M / 16 in bits 24-28 (PTX ISA, "Instruction descriptor" of
+    ``kind::f16``). An MMA whose descriptor is not an immediate is left out."""
+    imm = dict(_MOV_IMM.findall(ptx))
+    out = []
+    for reg in _TC_MMA_IDESC.findall(ptx):
+        if reg in imm:
+            d = int(imm[reg])
+            out.append((((d >> 24) & 0x1F) << 4, ((d >> 17) & 0x3F) << 3))
+    return out
+
+
 _SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _SASS_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
 _SASS_EXIT = re.compile(r"\bEXIT\b")

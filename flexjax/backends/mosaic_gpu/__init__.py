@@ -130,7 +130,7 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
         raise NotImplementedError(MISSING)
     arch = _mma.for_capability(compute_capability, False)
     if compute_capability >= 100:
-        tk, bwd_q, bwd_k = 32, 32, 32
+        tk, bwd_q, bwd_k = 64, 32, 32
     else:
         tk = 64 if dropout and head_dim > 64 else 128
         bwd_q, bwd_k = (32 if dropout and head_dim > 64 else 64), 64

@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ... import _dropout
 from .._layout import Geom, Mods
-from ._mma import LOG2E
+from ._mma import LOG2E, SCORE_CHUNK
 
 # Two consumer warpgroups per CTA in the forward and dQ, each owning ``arch.rows`` rows (64 on
 # sm_90a, wgmma's M; 128 on sm_100a, tcgen05's): the CTA's rows are ``cta_rows(arch)``.
@@ -305,6 +305,38 @@ def _store(ref, accs, scale=None, factor=None):
         ref.at[:, pl.ds(c * w, w)][...] = x.astype(ref.dtype)
 
 
+def _span(ref, at, w: int, n: int, axis: int = 0):
+    """Entries ``at .. at + w`` of ``ref`` along ``axis`` (``ref`` itself where those are all ``n``)."""
+    if w == n:
+        return ref
+    return ref.at[(slice(None),) * axis + (pl.ds(at, w),)]
+
+
+def p_buffers(arch) -> int:
+    """The forward's P tiles per consumer: none where P·V takes P from registers (sm_90a); two on
+    sm_100a, where the softmax writes each chunk of P to shared memory as it is computed, while
+    P·V of the previous step reads the other (``_mma._InTmem``); one in the sm_90a interpreter form."""
+    if arch.register_a:
+        return 0
+    return 2 if arch.name == "sm_100a" else 1
+
+
+def _p_smem(arch, R: int, tk: int, dtype, tr):
+    """The forward's P tiles (``p_buffers`` per consumer), laid out by ``_p_transforms``."""
+    n = p_buffers(arch)
+    if n == 0:
+        return ()
+    tr = _p_transforms(arch, dtype, tk, tr)
+    return plgpu.SMEM((CONSUMERS, R, tk) if n == 1 else (CONSUMERS, 2, R, tk), dtype, transforms=tr)
+
+
+def _p_transforms(arch, dtype, tk: int, tr):
+    """The layout of the forward's P tiles and of the V tiles P·V takes with them (Mosaic GPU's
+    MMAs take both operands with one swizzle): ``tr``, but on sm_100a tiles ``SCORE_CHUNK``
+    columns wide (a 64-byte swizzle), so each chunk of P is stored whole tiles."""
+    return _transforms(dtype, min(tk, SCORE_CHUNK)) if p_buffers(arch) == 2 else tr
+
+
 def _mod_tile(cm, score, b, h, q_idx, kv_idx, rows, cols):
     if cm is None:
         return score
@@ -380,16 +412,16 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q0 = i * R * CONSUMERS + wg * R
             my_q, my_p = qo_smem.at[wg], (None if arch.register_a else p_smem.at[wg])
+            chunked = p_buffers(arch) == 2  # the softmax writes P to shared memory as it goes
             unit = arch.unit(mma, wg, tk, {"o": D})
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, R), h], my_q, q_bar.at[wg * nb])
             for r, ref in enumerate(row_refs):
                 plgpu.copy_gmem_to_smem(rb(ref).at[pl.ds(q0, R)], row_smem[r].at[wg], q_bar.at[wg * nb + 1 + r])
             for r in range(nb):
                 plgpu.barrier_wait(q_bar.at[wg * nb + r])
-            shape = (R, tk)
-            # Per-row vectors stay vectors across the walk; the (rows, tk) tiles made from them and
-            # the index tiles are formed in each step (held across it, each costs tk / 2 registers a
-            # thread on sm_90a, tk on sm_100a).
+            # Per-row vectors stay vectors across the walk; the (rows, n) tiles made from them and
+            # the index tiles are formed in each step (held across it, each costs n / 2 registers a
+            # thread on sm_90a, whose n is the key tile, and n on sm_100a, whose n is a chunk of it).
             row_vecs = tuple(_load(arch, row_smem[r].at[wg], 0) for r in range(n_rows))
             drop = _Drop(arch, rate, seed_ref, b, h) if rate else None
             q_hash = drop.q_hash(q0, R, 0, g.q_len) if drop else None
@@ -400,83 +432,134 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
             pl.when(wg == 1)(sched_barrier)
 
-            def softmax(t, ks, s, masked, m, l):
-                """Step t's scores (keys ``ks ..``) -> its probabilities (16-bit, dropout applied)
-                and the new row max / sum / rescale factor; ``masked``: a partial tile."""
+            def softmax(t, ks, scores, masked, m, l):
+                """Step t's scores (keys ``ks ..``; ``_mma._Held`` or ``_InTmem``) -> its
+                probabilities (16-bit, dropout applied: the tile itself where P·V takes it from
+                registers, else written to the step's P buffer and ``()``) and the new row max /
+                sum / rescale factor; ``masked``: a partial tile. Two passes over the scores' column
+                chunks (one chunk, the register tile, on sm_90a): the mods and the row max, then
+                the exponents."""
                 slot = _rem(t, stages)
-                # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
-                # score_mod reads the natural-unit score, else applied after it.
-                s = s * (scale * LOG2E) if mods.score is None else s * scale
-                q_iota = q0 + arch.iota(shape, 0)
-                q_idx = jnp.minimum(q_iota, g.q_len - 1)
-                row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
-                kv_iota = ks + arch.iota(shape, 1)
-                kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
-                col_vals = []
                 for c in range(n_cols):
                     plgpu.barrier_wait(col_bar.at[c * stages + slot])
-                    col_vals.append(arch.broadcast(
-                        _load(arch, col_smem[c].at[slot], 1), shape, [1]))
-                srows, mrows = row_vals[:n_srows], row_vals[n_srows:]
-                scols, mcols = tuple(col_vals[:n_scols]), tuple(col_vals[n_scols:])
-                if mods.score is not None:
-                    s = _mod_tile(mods.score, s, b, h, q_idx, kv_idx,
-                                  _cast_back(mods.score, srows, mods.score.rows),
-                                  _cast_back(mods.score, scols, mods.score.cols)) * LOG2E
-                if masked:
-                    ok = (q_iota < g.q_len) & (kv_iota < g.kv_len)
-                    if mods.mask is not None:
-                        ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx,
-                                            _cast_back(mods.mask, mrows, mods.mask.rows),
-                                            _cast_back(mods.mask, mcols, mods.mask.cols))
-                    s = jnp.where(ok, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
+                # Scores in base-2 units: log2(e) folded into the scale (one multiply) where no
+                # score_mod reads the natural-unit score, else applied after it.
+                base = scale * LOG2E if mods.score is None else scale
+                # Chunks in tensor memory that nothing but the scale changes are not written back:
+                # the second pass scales them again.
+                rewrite = mods.score is not None or masked or not scores.chunked
+
+                def modded(at, w, s):
+                    shape = (R, w)
+                    s = s * base
+                    q_iota = q0 + arch.iota(shape, 0)
+                    q_idx = jnp.minimum(q_iota, g.q_len - 1)
+                    row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
+                    kv_iota = ks + at + arch.iota(shape, 1)
+                    kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
+                    col_vals = [arch.broadcast(_load(arch, _span(col_smem[c].at[slot], at, w, tk), 1), shape, [1])
+                                for c in range(n_cols)]
+                    srows, mrows = row_vals[:n_srows], row_vals[n_srows:]
+                    scols, mcols = tuple(col_vals[:n_scols]), tuple(col_vals[n_scols:])
+                    if mods.score is not None:
+                        s = _mod_tile(mods.score, s, b, h, q_idx, kv_idx,
+                                      _cast_back(mods.score, srows, mods.score.rows),
+                                      _cast_back(mods.score, scols, mods.score.cols)) * LOG2E
+                    if masked:
+                        ok = (q_iota < g.q_len) & (kv_iota < g.kv_len)
+                        if mods.mask is not None:
+                            ok = ok & _mod_tile(mods.mask, None, b, h, q_idx, kv_idx,
+                                                _cast_back(mods.mask, mrows, mods.mask.rows),
+                                                _cast_back(mods.mask, mcols, mods.mask.cols))
+                        s = jnp.where(ok, s, -jnp.inf)
+                    return s
+
+                m_new = m
+                for at, w in scores.spans():
+                    x = scores.load(at, w)
+                    x = modded(at, w, x) if rewrite else x * base
+                    m_new = jnp.maximum(m_new, x.max(axis=1))
+                    if rewrite:
+                        scores.store(at, w, x)
+                scores.commit()
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = arch.exp2(s - arch.broadcast(m_use, shape, [0]))
                 alpha = jnp.exp2(m - m_use)
-                l = l * alpha + p.sum(axis=1)
-                if drop is not None:
-                    p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks, tk, 1, g.kv_len), shape, 0), p, 0.0)
-                return p.astype(dtype), m_new, l, alpha
+                l = l * alpha
+                ps = []
+                for at, w in scores.spans():
+                    x = scores.load(at, w)
+                    x = x if rewrite else x * base
+                    p = arch.exp2(x - arch.broadcast(m_use, (R, w), [0]))
+                    l = l + p.sum(axis=1)
+                    if drop is not None:
+                        p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks + at, w, 1, g.kv_len), (R, w), 0), p, 0.0)
+                    if scores.chunked:
+                        _span(p_buf(t), at, w, tk, axis=1)[...] = p.astype(dtype)
+                    else:
+                        ps.append(p.astype(dtype))
+                if scores.chunked:
+                    plgpu.commit_smem()
+                    return (), m_new, l, alpha
+                return ps[0], m_new, l, alpha
+
+            def p_buf(t):  # sm_100a: step t's P tile, two buffers (P·V of step t - 1 may read the other)
+                return my_p.at[_rem(t, 2)]
+
+            def a_of(p, t):  # the A operand of step t's P·V
+                return p_buf(t) if chunked else arch.a_operand(p, my_p, dtype)
 
             overlap = fwd_overlap(arch)
+            # sm_100a chains the partial tiles too: its scores stay in tensor memory and are read
+            # a chunk at a time, so the mask's arithmetic does not meet a whole score tile in
+            # registers (on sm_90a it did, and spilled: ``fwd_overlap``).
+            chain_all = overlap and chunked
             m0, l0 = arch.full(R, -jnp.inf), arch.full(R, 0.0)
 
-            def pipelined_step(t, carry):  # a full tile: its Q K^T with P·V of tile t - 1
-                p, m, l, acc = carry
-                slot, prev = _rem(t, stages), _rem(t - 1, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[prev])
-                (p, m, l, alpha), acc = unit.qk_pv(
-                    my_q, _t(arch, k_smem.at[slot]), acc, "o", arch.a_operand(p, my_p, dtype),
-                    v_smem.at[prev], lambda s: softmax(t, walk.tile(t) * tk, s, False, m, l), (p, m, l, m),
-                    after=sched_barrier)
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[prev])
-                return p, m, l, unit.scale(acc, "o", alpha)
+            def pipelined_step(masked):
+                def body(t, carry):  # Q K^T of tile t with P·V of tile t - 1
+                    p, m, l, acc = carry
+                    slot, prev = _rem(t, stages), _rem(t - 1, stages)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[prev])
+                    (p, m, l, alpha), acc = unit.qk_pv(
+                        my_q, _t(arch, k_smem.at[slot]), acc, "o", a_of(p, t - 1),
+                        v_smem.at[prev], lambda s: softmax(t, walk.tile(t) * tk, s, masked, m, l), (p, m, l, m),
+                        after=sched_barrier)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[prev])
+                    return p, m, l, unit.scale(acc, "o", alpha)
+
+                return body
 
             def qk_softmax(t, masked, wait_k, m, l, acc):
                 """Q K^T of step t alone, its softmax, and O rescaled: a serial step's first half,
-                and the pipelined part's first full tile."""
+                and the pipelined part's first tile."""
                 slot = _rem(t, stages)
                 ks = walk.tile(t) * tk
                 if wait_k:
                     plgpu.barrier_wait(k_bar.at[slot])
-                s = unit.fresh(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
+                s = unit.scores(my_q, _t(arch, k_smem.at[slot]), after=sched_barrier)
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, m, l, alpha = softmax(t, ks, s, masked, m, l)
                 return p, m, l, unit.scale(acc, "o", alpha)
 
             def pipelined(carry):
-                """The full tiles (steps n_partial .. n), FlashAttention-3's intra-warpgroup overlap:
-                the first tile's Q K^T and softmax, then each step's Q K^T with the previous tile's
-                P·V (``unit.qk_pv``), then the last P·V."""
-                t0 = walk.n_partial
-                carry = qk_softmax(t0, False, True, *carry)
-                p, m, l, acc = lax.fori_loop(t0 + 1, walk.n, pipelined_step, carry)
+                """FlashAttention-3's intra-warpgroup overlap: the first tile's Q K^T and softmax, then
+                each step's Q K^T with the previous tile's P·V (``unit.qk_pv``), then the last P·V.
+                sm_90a: the full tiles (steps n_partial .. n); sm_100a (``chain_all``): every tile,
+                the partial ones (steps 0 .. n_partial) masked."""
+                if chain_all:
+                    carry = lax.cond(walk.n_partial > 0, lambda c: qk_softmax(0, True, True, *c),
+                                     lambda c: qk_softmax(0, False, True, *c), carry)
+                    split = jnp.maximum(walk.n_partial, 1)
+                    carry = lax.fori_loop(1, split, pipelined_step(True), carry)
+                else:
+                    carry = qk_softmax(walk.n_partial, False, True, *carry)
+                    split = walk.n_partial + 1
+                p, m, l, acc = lax.fori_loop(split, walk.n, pipelined_step(False), carry)
                 last = _rem(walk.n - 1, stages)
                 plgpu.barrier_wait(v_bar.at[last])
-                acc = unit.add(acc, "o", arch.a_operand(p, my_p, dtype), v_smem.at[last], after=sched_barrier)
+                acc = unit.add(acc, "o", a_of(p, walk.n - 1), v_smem.at[last], after=sched_barrier)
                 plgpu.barrier_arrive(v_free.at[last])
                 return m, l, acc
 
@@ -491,7 +574,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     slot = _rem(t, stages)
                     # On sm_90a K's tile was waited for while the previous step's P·V ran (``pv_issued``).
                     p, m, l, acc = qk_softmax(t, masked, not early_k, *carry)
-                    pa = arch.a_operand(p, my_p, dtype)
+                    pa = a_of(p, t)
                     plgpu.barrier_wait(v_bar.at[slot])
 
                     def pv_issued():  # while P·V runs: hand over the tensor cores, wait for the next K
@@ -507,20 +590,24 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
                 return body
 
-            # The partial tiles one step each; with overlap the full tiles then run pipelined
-            # (``pipelined`` waits for its own K tiles, so the early waits stop at the last partial
-            # tile). A row with no full tile skips it.
+            # sm_90a: the partial tiles one step each; with overlap the full tiles then run
+            # pipelined (``pipelined`` waits for its own K tiles, so the early waits stop at the
+            # last partial tile). A row with no tile to pipeline skips it.
             early_end = walk.n_partial if overlap else walk.n
             if early_k:
                 @pl.when(early_end > 0)
                 def _():
                     plgpu.barrier_wait(k_bar.at[0])
 
-            carry = lax.fori_loop(0, walk.n_partial, serial_step(True), (m0, l0, unit.zeros("o")))
-            if overlap:
-                carry = lax.cond(walk.n > walk.n_partial, pipelined, lambda c: c, carry)
+            carry = (m0, l0, unit.zeros("o"))
+            if chain_all:
+                carry = lax.cond(walk.n > 0, pipelined, lambda c: c, carry)
             else:
-                carry = lax.fori_loop(walk.n_partial, walk.n, serial_step(False), carry)
+                carry = lax.fori_loop(0, walk.n_partial, serial_step(True), carry)
+                if overlap:
+                    carry = lax.cond(walk.n > walk.n_partial, pipelined, lambda c: c, carry)
+                else:
+                    carry = lax.fori_loop(walk.n_partial, walk.n, serial_step(False), carry)
             m, l, acc = carry
             pl.when(wg == 0)(sched_barrier)
             alive = l > 0
@@ -538,8 +625,8 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
     scratch = (
         (plgpu.SMEM((CONSUMERS, R, D), dtype, transforms=tr),
          _kt_smem(arch, stages, D, tk, dtype, tr),
-         plgpu.SMEM((stages, tk, D), dtype, transforms=tr),
-         () if arch.register_a else plgpu.SMEM((CONSUMERS, R, tk), dtype, transforms=tr),
+         plgpu.SMEM((stages, tk, D), dtype, transforms=_p_transforms(arch, dtype, tk, tr)),
+         _p_smem(arch, R, tk, dtype, tr),
          plgpu.SMEM((CONSUMERS, 2, R), jnp.float32),
          tuple(plgpu.SMEM((CONSUMERS, R), r.dtype) for r in rows),
          tuple(plgpu.SMEM((stages, tk), c.dtype) for c in cols)),
@@ -1095,7 +1182,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
 
 
 def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, arch, itemsize: int = 2) -> dict[str, int]:
-    """Shared memory of each kernel, from its scratch (barriers and the few row/column vectors aside),
+    """Shared memory of each kernel, from its scratch (barriers and the mods' row/column vectors aside),
     in ``arch``'s form: ``arch.rows`` rows per consumer (64 on sm_90a, 128 on sm_100a); no P / dS
     tile where the MMAs take A from registers, no transposed copies where they read views.
 
@@ -1106,7 +1193,10 @@ def smem_bytes(D: int, tk: int, tq_dkv: int, stages: int, arch, itemsize: int = 
     def tile(r, c, n=1):
         return n * -(-(r * c * itemsize) // 1024) * 1024
 
-    fwd = tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + a_tiles * tile(R, tk, CONSUMERS)
+    # The forward's row statistics (max and sum, float32) count too: at the edge of the limit
+    # (sm_100a, D = 64, block_kv = 128: 224 KiB of tiles) Mosaic GPU refused the kernel.
+    fwd = (tile(R, D, CONSUMERS) + 2 * tile(tk, D, stages) + p_buffers(arch) * tile(R, tk, CONSUMERS)
+           + CONSUMERS * 2 * R * 4)
     dq = (2 * tile(R, D, CONSUMERS) + a_tiles * tile(R, tk, CONSUMERS)
           + (2 if arch.views else 3) * tile(tk, D, stages))
     W = dkv_consumers(arch)

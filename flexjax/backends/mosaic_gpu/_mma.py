@@ -52,6 +52,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 CHUNK = 64
 # Columns of a TMEM accumulator per rescale (``_Tcgen05Unit.scale``).
 SCALE_CHUNK = 8
+# Columns of a score tile in tensor memory per load (``_InTmem``): 32 registers a thread. At
+# 64 (the whole tile loaded at once) the sm_100a forward spilled 40-104 B per thread.
+SCORE_CHUNK = 32
 
 
 # log2(e): the kernels keep scores in base-2 units (``x * LOG2E``) so each exponent is one ``ex2``.
@@ -143,6 +146,10 @@ class _WgmmaUnit:
 
         return pl.run_scoped(mma, plgpu.ACC((self.arch.rows, b.shape[1]), jnp.float32))
 
+    def scores(self, a, b, after=None):
+        """``fresh``'s product as the forward's softmax reads it: held in registers (``_Held``)."""
+        return _Held(self.fresh(a, b, after))
+
     def _width(self, name):
         # In place, one wgmma of N = D per step (FlashAttention-3's P·V shape); the interpreter's
         # fresh accumulators are (64, 64) chunks (each live beside the sum while it is added).
@@ -196,7 +203,7 @@ class _WgmmaUnit:
             if after is not None:
                 after()
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=n)
-            for ref, x in zip(out_refs, soft(s)):
+            for ref, x in zip(out_refs, soft(_Held(s))):
                 ref[...] = x
 
         outs = pl.run_state(mma)((*(plgpu.ACC.init(x) for x in acc), plgpu.ACC.init(s0), *like))
@@ -216,7 +223,53 @@ class _WgmmaUnit:
 def _serial_qk_pv(unit, a, b, acc, name, pa, v, soft, after):
     """``qk_pv`` in the interpreters' forms: P·V, then Q K^T and ``soft`` of it, one after the other."""
     acc = unit.add(acc, name, pa, v)
-    return soft(unit.fresh(a, b, after)), acc
+    return soft(unit.scores(a, b, after)), acc
+
+
+class _Held:
+    """A fresh product held in registers (sm_90a): one span, the tile itself; ``store`` replaces it."""
+    chunked = False
+
+    def __init__(self, x):
+        self.x = x
+
+    def spans(self):
+        return ((0, self.x.shape[1]),)
+
+    def load(self, at, w):
+        return self.x
+
+    def store(self, at, w, x):
+        self.x = x
+
+    def commit(self):
+        pass
+
+
+class _InTmem:
+    """A fresh product left in tensor memory (sm_100a), read and rewritten ``SCORE_CHUNK`` columns
+    at a time, so one chunk is live in registers (``SCORE_CHUNK`` a thread) however wide the tile."""
+    chunked = True
+
+    def __init__(self, unit, ref):
+        self.unit, self.ref = unit, ref
+
+    def spans(self):
+        n = self.ref.shape[1]
+        return tuple((at, min(SCORE_CHUNK, n - at)) for at in range(0, n, SCORE_CHUNK))
+
+    def _at(self, at, w):
+        return self.ref if w == self.ref.shape[1] else self.ref.at[:, pl.ds(at, w)]
+
+    def load(self, at, w):
+        return self.unit._load(self._at(at, w))
+
+    def store(self, at, w, x):
+        self.unit._store(self._at(at, w), x)
+
+    def commit(self):
+        """The stores visible to this thread's later loads."""
+        self.unit._commit()
 
 
 class Blackwell(_Arch):
@@ -303,6 +356,12 @@ class _Tcgen05Unit:
         self._mma(ref, a, b, False, after)
         return self._load(ref)
 
+    def scores(self, a, b, after=None):
+        """``fresh``'s product left in tensor memory, read in chunks by the softmax (``_InTmem``)."""
+        ref = self._cols(self.fresh_at, b.shape[1])
+        self._mma(ref, a, b, False, after)
+        return _InTmem(self, ref)
+
     def qk_pv(self, a, b, acc, name, pa, v, soft, like, after=None):
         """``s = a @ b`` into the fresh slot and ``acc += pa @ v`` issued together (``after`` once
         both are), each committed to its own tensor-core barrier; ``soft(s)`` runs once the first
@@ -318,7 +377,7 @@ class _Tcgen05Unit:
         if after is not None:
             after()
         plgpu.barrier_wait(self.bar)
-        out = soft(self._load(ref))
+        out = soft(_InTmem(self, ref))
         plgpu.barrier_wait(self.bar2)
         return out, acc
 
