@@ -14,7 +14,7 @@ if its registers exceed what the launch
 allows (three warpgroups of 128 threads: 65536 / 384 = 170 per thread before ``setmaxnreg``), if
 its shared memory (``_kernels.smem_bytes``) exceeds the opt-in limit (227 KiB on both), or, on
 sm_100a, if its tensor memory exceeds 512 columns, its forward never has two tcgen05 MMAs in flight
-(``ptx_shape.tcgen05_chained``) or has one narrower than ``TCGEN05_FWD_N``
+(``ptx_shape.tcgen05_chained``) or has one narrower than ``tcgen05_fwd_n``
 (``ptx_shape.tcgen05_shapes``); on sm_90a, also if its PTX is not in FlashAttention-3's shape
 (``ptx_shape.fa3_shape``). The table (``--out``) lists each kernel's warpgroup layout: one
 producer warpgroup (TMA, 32 registers after ``setmaxnreg``) and two consumer warpgroups (240);
@@ -214,9 +214,13 @@ def score_n_floor(kernel: str, D: int, dropout: bool) -> tuple[int, int]:
     return 64, 64
 
 
-# The least N of the sm_100a forward's tcgen05 MMAs (``ptx_shape.tcgen05_shapes``): Q K^T's N is
-# the key tile, 64 (32 until 2026-12-07; 128 with P in shared memory does not fit a block's).
-TCGEN05_FWD_N = 64
+def tcgen05_fwd_n(D: int) -> int:
+    """The least N of the sm_100a forward's tcgen05 MMAs (``ptx_shape.tcgen05_shapes``): Q K^T's N
+    is the key tile, 64 (32 until 2026-12-07; 128 with P in shared memory does not fit a block's),
+    but 32 at head dim 128 on JAX 0.10, whose lowering spilled in the steps at 64 (``heuristics``)."""
+    from flexjax.backends.mosaic_gpu import _kernels
+
+    return 32 if D > 64 and _kernels.JAX_010 else 64
 
 # The tensor-core instructions (``ptx_shape.TENSOR_CORE_OPS``) that say which kernel ptxas got.
 EXPECTED_OPS = {"sm_90a": {"wgmma.mma_async"}, "sm_100a": set(TENSOR_CORE_OPS) - {"wgmma.mma_async"}}
@@ -278,8 +282,8 @@ def _compile_config(name, D, dtype_name, heads, dropout, arch, cc, mesh, sh):
             else:
                 if res["bare_ex2"] < tile:
                     problems.append(f"{short}: {res['bare_ex2']} bare ex2.approx < {tile}")
-                if short == "fwd" and (res.get("score_n") or 0) < TCGEN05_FWD_N:
-                    problems.append(f"fwd: least tcgen05 MMA N {res.get('score_n')} < {TCGEN05_FWD_N}")
+                if short == "fwd" and (res.get("score_n") or 0) < tcgen05_fwd_n(D):
+                    problems.append(f"fwd: least tcgen05 MMA N {res.get('score_n')} < {tcgen05_fwd_n(D)}")
                 if short == "fwd" and _kernels.fwd_overlap(unit) and not tcgen05_chained(ptx):
                     problems.append("fwd: no tcgen05 MMA issued while another is in flight (the full tiles' "
                                     "Q K^T with the previous P·V)")

@@ -123,14 +123,19 @@ def heuristics(compute_capability: int = 90, head_dim: int = 128, dropout: bool 
     dK and dV accumulators take 128 of its 240 registers, its partial tiles run as two 32-query
     sub-steps (``_kernels.dkv_masked_q``: whole, they spilled 12-80 B per thread in the steps), and
     with dropout every step takes 32 queries (at 64 the full steps spilled 32-160 B in the loop).
-    sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 32 keys per step: a
-    (128, n) tile costs a thread n registers, and at 64 keys the forward spilled 40-104 B per
-    thread (sliding window + ALiBi, D = 64 and 128), none at 32."""
+    sm_100a: 256 query rows per CTA (two warpgroups of 128, tcgen05's M), 64 keys per forward
+    step (Q K^T a tcgen05 MMA of N = 64; the scores stay in tensor memory and the softmax reads them
+    32 columns at a time, ``_mma._InTmem``: loaded whole, a 64-key tile spilled 40-104 B per
+    thread; 128 keys do not fit shared memory beside P's two buffers). On JAX 0.10 at head dim 128,
+    32 keys: its Mosaic GPU lowering spilled 12-40 B per thread at 64, in the steps, on 17 of the
+    18 configurations (JAX 0.11.2's compiles all 36 spill-free). The backward's tiles are 32 (a
+    (128, n) tile loaded costs a thread n registers)."""
     if MISSING is not None:
         raise NotImplementedError(MISSING)
     arch = _mma.for_capability(compute_capability, False)
     if compute_capability >= 100:
-        tk, bwd_q, bwd_k = 64, 32, 32
+        tk = 32 if head_dim > 64 and _kernels.JAX_010 else 64
+        bwd_q, bwd_k = 32, 32
     else:
         tk = 64 if dropout and head_dim > 64 else 128
         bwd_q, bwd_k = (32 if dropout and head_dim > 64 else 64), 64

@@ -77,6 +77,9 @@ def dkv_masked_q(arch, D: int, tq: int) -> int:
     return min(tq, 32) if arch.name == "sm_90a" and D > 64 else tq
 
 
+# JAX 0.10's Mosaic GPU: its sm_100a forward at head dim 128 spills at 64-key steps (``heuristics``).
+JAX_010 = jax.__version_info__ < (0, 11)
+
 # Registers a thread after ``setmaxnreg`` in a CTA of a producer and two consumer warpgroups
 # (32 + 2 x 240 = 512, the register file per thread of a warpgroup; at 24 the sm_100a forward spilled 8 B).
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 32, 240
@@ -92,6 +95,15 @@ def fwd_overlap(arch) -> bool:
     238 of 240) and 184-372 B per thread spilled (chunked_causal, neg_inf_score, sliding window +
     ALiBi at D = 64, sm_90a)."""
     return True
+
+
+def fwd_chain_partial(arch, D: int) -> bool:
+    """Whether the forward's partial tiles join the pipelined chain too (masked), not one tile per
+    step: on sm_100a, whose scores stay in tensor memory and are read a chunk at a time
+    (``_mma._InTmem``), so the mask's arithmetic never meets a whole score tile in registers
+    (on sm_90a it did: ``fwd_overlap``). Not on JAX 0.10 at head dim 128, whose lowering then
+    spilled 8 B per thread in the steps ("neg_inf_score", causal + dropout; at 32-key steps)."""
+    return arch.name == "sm_100a" and not (JAX_010 and D > 64)
 
 
 def cta_rows(arch) -> int:
@@ -509,10 +521,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                 return p_buf(t) if chunked else arch.a_operand(p, my_p, dtype)
 
             overlap = fwd_overlap(arch)
-            # sm_100a chains the partial tiles too: its scores stay in tensor memory and are read
-            # a chunk at a time, so the mask's arithmetic does not meet a whole score tile in
-            # registers (on sm_90a it did, and spilled: ``fwd_overlap``).
-            chain_all = overlap and chunked
+            chain_all = overlap and fwd_chain_partial(arch, D)  # the partial tiles chained too
             m0, l0 = arch.full(R, -jnp.inf), arch.full(R, 0.0)
 
             def pipelined_step(masked):
@@ -590,9 +599,9 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
 
                 return body
 
-            # sm_90a: the partial tiles one step each; with overlap the full tiles then run
-            # pipelined (``pipelined`` waits for its own K tiles, so the early waits stop at the
-            # last partial tile). A row with no tile to pipeline skips it.
+            # Unless chained (``fwd_chain_partial``), the partial tiles one step each; with overlap
+            # the full tiles then run pipelined (``pipelined`` waits for its own K tiles, so the
+            # early waits stop at the last partial tile). A row with no tile to pipeline skips it.
             early_end = walk.n_partial if overlap else walk.n
             if early_k:
                 @pl.when(early_end > 0)
@@ -1223,4 +1232,4 @@ TMEM_COLUMNS = 512
 SMEM_LIMIT = 232448 - 2048
 
 __all__ = ["forward", "backward", "smem_bytes", "tmem_columns", "SMEM_LIMIT", "TMEM_COLUMNS", "cta_rows", "dkv_rows",
-           "dkv_consumers", "CONSUMERS", "heaviest_first", "LN2"]
+           "dkv_consumers", "CONSUMERS", "heaviest_first", "LN2", "fwd_chain_partial", "p_buffers"]
