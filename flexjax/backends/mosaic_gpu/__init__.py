@@ -77,7 +77,7 @@ class KernelOptions(TileOptions):
     Attributes (beyond ``target``, ``interpret`` and the tiles):
       block_q: the forward's and dQ's CTA: two consumer warpgroups of 64 query rows on sm_90a (128),
         of 128 on sm_100a (256).
-      block_kv: the key tile the forward walks (32, 64 or 128; default ``heuristics``': 128 on sm_90a).
+      block_kv: the key tile the forward walks (32, 64 or 128; default ``heuristics``': 128 on sm_90a, 64 on sm_100a).
       bwd_block_kv: the key tile the dQ kernel walks (32, 64 or 128; default 64 on sm_90a).
       bwd_block_q: the query tile the dK/dV kernel walks (32 or 64; default 64 at head dim 64 on
         sm_90a, else 32); it owns 64 key rows per consumer warpgroup on sm_90a, 128 on sm_100a.

@@ -31,6 +31,10 @@ there each MMA writes a fresh accumulator added in registers, P and dS are store
 memory before they multiply, and K^T, V^T, Q^T and dO^T are transposed in XLA before the
 kernels. The interpreter checks the numerics of that form; ``tests_compile/mosaic_gpu_suite.py``
 checks that the GPU form compiles spill-free in FlashAttention-3's shape.
+
+On sm_100a the forward takes 64-key steps whose scores stay in tensor memory: its softmax reads
+them a chunk at a time (``_mma._InTmem``) and writes P to shared memory as it goes, into one of
+two buffers (``p_buffers``), and every tile runs in the pipelined chain (``fwd_chain_partial``).
 """
 
 from __future__ import annotations

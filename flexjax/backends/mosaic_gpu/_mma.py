@@ -6,11 +6,15 @@ architectures:
 
 - ``fresh(a, b, after)``: ``a @ b`` (float32, ``(rows, n)``, in the arch's register layout),
   read by the caller; ``after`` runs once the MMA is issued (the forward's ping-pong barrier);
+- ``scores(a, b, after)``: the same product as the forward's softmax reads it, in column spans
+  (``spans``, ``load``, ``store``, ``commit``): ``_Held``, the register tile itself, on sm_90a;
+  ``_InTmem``, left in tensor memory and read ``SCORE_CHUNK`` columns at a time, on sm_100a;
 - ``zeros(name)``, ``add(acc, name, a, b, after)``, ``scale(acc, name, alpha)``,
   ``chunks(acc, name)``: a running ``(rows, D)`` float32 accumulator (``O``, ``dQ``, ``dK``,
   ``dV``) that the caller threads through its loops as ``acc``;
 - ``qk_pv(...)``: a fresh product and an accumulating one issued together, with a function of
-  the fresh one computed while the other runs (the forward's intra-warpgroup overlap).
+  the fresh one (its ``scores``) computed while the other runs (the forward's intra-warpgroup
+  overlap).
 
 Each arch has a GPU form and an interpreter form (``emulate=True``), for what Mosaic GPU's
 interpreter cannot run. The GPU form reads K, V, Q and dO tiles through transposed views of their
@@ -181,7 +185,7 @@ class _WgmmaUnit:
 
     def qk_pv(self, a, b, acc, name, pa, v, soft, like, after=None):
         """FlashAttention-3's intra-warpgroup overlap: ``s = a @ b`` and ``acc += pa @ v`` issued
-        together (``after`` once both are), then ``soft(s)`` computed while the second MMA runs.
+        together (``after`` once both are), then ``soft(_Held(s))`` computed while the second MMA runs.
         Returns (``soft(s)``, the new ``acc``); ``like``: arrays of ``soft``'s output shapes,
         dtypes and layouts.
 
@@ -364,7 +368,7 @@ class _Tcgen05Unit:
 
     def qk_pv(self, a, b, acc, name, pa, v, soft, like, after=None):
         """``s = a @ b`` into the fresh slot and ``acc += pa @ v`` issued together (``after`` once
-        both are), each committed to its own tensor-core barrier; ``soft(s)`` runs once the first
+        both are), each committed to its own tensor-core barrier; ``soft(_InTmem(s))`` runs once the first
         is waited for, while the second is in flight (FlashAttention-3's intra-warpgroup overlap,
         FlashAttention-4's asynchronous MMA chain). Returns (``soft(s)``, ``acc``); the second MMA
         is waited for before it returns (its A, P in shared memory, is then free). In the
