@@ -321,11 +321,10 @@ def _store(ref, accs, scale=None, factor=None):
         ref.at[:, pl.ds(c * w, w)][...] = x.astype(ref.dtype)
 
 
-def _span(ref, at, w: int, n: int, axis: int = 0):
-    """Entries ``at .. at + w`` of ``ref`` along ``axis`` (``ref`` itself where those are all ``n``)."""
-    if w == n:
-        return ref
-    return ref.at[(slice(None),) * axis + (pl.ds(at, w),)]
+def _span(ref, lead: tuple, at, w: int, n: int):
+    """``ref.at[lead]``'s entries ``at .. at + w`` along its next axis (of ``n``; all of it where
+    ``w`` is ``n``): a chunk of a key tile, a sub-step's queries of a query tile."""
+    return ref.at[lead] if w == n else ref.at[(*lead, pl.ds(at, w))]
 
 
 def p_buffers(arch) -> int:
@@ -473,7 +472,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     row_vals = tuple(arch.broadcast(x, shape, [0]) for x in row_vecs)
                     kv_iota = ks + at + arch.iota(shape, 1)
                     kv_idx = jnp.minimum(kv_iota, g.kv_len - 1)
-                    col_vals = [arch.broadcast(_load(arch, _span(col_smem[c].at[slot], at, w, tk), 1), shape, [1])
+                    col_vals = [arch.broadcast(_load(arch, _span(col_smem[c], (slot,), at, w, tk), 1), shape, [1])
                                 for c in range(n_cols)]
                     srows, mrows = row_vals[:n_srows], row_vals[n_srows:]
                     scols, mcols = tuple(col_vals[:n_scols]), tuple(col_vals[n_scols:])
@@ -510,7 +509,7 @@ def forward(g: Geom, mods: Mods, scale: float, q, k, v, lists, rows, cols, *, st
                     if drop is not None:
                         p = jnp.where(drop.keep(q_hash, drop.kv_hash(ks + at, w, 1, g.kv_len), (R, w), 0), p, 0.0)
                     if scores.chunked:
-                        _span(p_buf(t), at, w, tk, axis=1)[...] = p.astype(dtype)
+                        _span(p_buf(t), (slice(None),), at, w, tk)[...] = p.astype(dtype)
                     else:
                         ps.append(p.astype(dtype))
                 if scores.chunked:
@@ -1077,7 +1076,7 @@ def _dkv(g: Geom, mods, scale, q, k, v, do, lse, delta, lists, rows, cols, d_col
 
                     def part(dk, dv, dcs, slot, qs, off):
                         def q_at(ref, *lead):  # ``ref.at[lead]``'s queries off .. off + w (the next axis)
-                            return ref.at[lead] if w == tq else ref.at[(*lead, pl.ds(off, w))]
+                            return _span(ref, lead, off, w, tq)
 
                         def q_cols(ref):  # the same queries of a (D, tq) slot of Q^T or dO^T (interpreter)
                             return q_at(ref, slot, slice(None))

@@ -251,25 +251,22 @@ class _Held:
 
 
 class _InTmem:
-    """A fresh product left in tensor memory (sm_100a), read and rewritten ``SCORE_CHUNK`` columns
-    at a time, so one chunk is live in registers (``SCORE_CHUNK`` a thread) however wide the tile."""
+    """A fresh product of ``n`` columns left in its unit's fresh slot of tensor memory (sm_100a),
+    read and rewritten ``SCORE_CHUNK`` columns at a time (``_Tcgen05Unit._cols``), so one chunk is
+    live in registers (``SCORE_CHUNK`` a thread) however wide the tile."""
     chunked = True
 
-    def __init__(self, unit, ref):
-        self.unit, self.ref = unit, ref
+    def __init__(self, unit, n: int):
+        self.unit, self.n = unit, n
 
     def spans(self):
-        n = self.ref.shape[1]
-        return tuple((at, min(SCORE_CHUNK, n - at)) for at in range(0, n, SCORE_CHUNK))
-
-    def _at(self, at, w):
-        return self.ref if w == self.ref.shape[1] else self.ref.at[:, pl.ds(at, w)]
+        return tuple((at, min(SCORE_CHUNK, self.n - at)) for at in range(0, self.n, SCORE_CHUNK))
 
     def load(self, at, w):
-        return self.unit._load(self._at(at, w))
+        return self.unit._load(self.unit._cols(self.unit.fresh_at + at, w))
 
     def store(self, at, w, x):
-        self.unit._store(self._at(at, w), x)
+        self.unit._store(self.unit._cols(self.unit.fresh_at + at, w), x)
 
     def commit(self):
         """The stores visible to this thread's later loads."""
@@ -356,15 +353,14 @@ class _Tcgen05Unit:
             plgpu.commit_tmem()
 
     def fresh(self, a, b, after=None):
-        ref = self._cols(self.fresh_at, b.shape[1])
-        self._mma(ref, a, b, False, after)
-        return self._load(ref)
+        n = b.shape[1]
+        return self.scores(a, b, after).load(0, n)
 
     def scores(self, a, b, after=None):
-        """``fresh``'s product left in tensor memory, read in chunks by the softmax (``_InTmem``)."""
-        ref = self._cols(self.fresh_at, b.shape[1])
-        self._mma(ref, a, b, False, after)
-        return _InTmem(self, ref)
+        """``a @ b`` left in the fresh slot of tensor memory, read in chunks by the softmax (``_InTmem``)."""
+        n = b.shape[1]
+        self._mma(self._cols(self.fresh_at, n), a, b, False, after)
+        return _InTmem(self, n)
 
     def qk_pv(self, a, b, acc, name, pa, v, soft, like, after=None):
         """``s = a @ b`` into the fresh slot and ``acc += pa @ v`` issued together (``after`` once
@@ -375,13 +371,13 @@ class _Tcgen05Unit:
         interpreter the two run one after the other."""
         if self.emulate:
             return _serial_qk_pv(self, a, b, acc, name, pa, v, soft, after)
-        ref = self._cols(self.fresh_at, b.shape[1])
-        self._issue(ref, a, b, False, self.bar)
+        n = b.shape[1]
+        self._issue(self._cols(self.fresh_at, n), a, b, False, self.bar)
         self._issue(self._cols(self.offsets[name], self.accs[name]), pa, v, True, self.bar2)
         if after is not None:
             after()
         plgpu.barrier_wait(self.bar)
-        out = soft(_InTmem(self, ref))
+        out = soft(_InTmem(self, n))
         plgpu.barrier_wait(self.bar2)
         return out, acc
 
