@@ -1657,8 +1657,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexjaxCpuForward, Forward,
 // Backward: dQ, dK, dV of the same tiles (the xla backend's backward, fused). One item is a
 // kv block of one (batch, kv head): it walks the q tiles of its transposed lists for every
 // query head of the GQA group, recomputing P from the forward's row max and log-sum,
-// accumulates dK and dV in place, and adds dQ into its thread's own dQ buffer (summed at
-// the end), so no two threads write the same memory.
+// accumulates dK and dV in place, and adds dQ into its slot's own dQ buffer (the slots summed
+// in a fixed order at the end), so no two threads write the same memory and every run sums
+// each dQ element in the same order.
 
 using VjpFn = void (*)(const float* s, float* ds, int64_t ld, int nc, int nr, int b, int h, int q0, int kv0,
                        const void* const* arrays);
@@ -1683,9 +1684,9 @@ struct BwdProblem {
   const void* const* score_arrays;
   const void* const* mask_arrays;
   float *dk, *dv;
-  // One (B, Sq, Hq, D) dQ buffer per thread (the first is the output), and for each thread
+  // One (B, Sq, Hq, D) dQ buffer per slot (the first is the output), and for each slot
   // which (batch, query head, q block) tiles of its buffer it has written: a tile is zeroed
-  // when its thread first adds to it, and the sum at the end reads only written tiles.
+  // when its slot first adds to it, and the sum at the end reads only written tiles.
   std::vector<float*> dq;
   std::vector<uint8_t*> written;
   int64_t nqb;
@@ -1707,7 +1708,7 @@ static inline float row_delta(const BwdProblem& P, const float* dO, int64_t b, i
   return sum - P.dlse[(b * P.Hq + hq) * P.Sq + qi];
 }
 
-static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScratch& w) {
+static void bwd_item(const BwdProblem& P, int64_t item, int64_t slot, BwdScratch& w) {
   const int64_t nkb = (P.kv_len + P.bkv - 1) / P.bkv;
   const int64_t j = item % nkb, hkv = (item / nkb) % P.Hkv, b = item / (nkb * P.Hkv);
   const int64_t G = P.Hq / P.Hkv;
@@ -1864,10 +1865,10 @@ static void bwd_item(const BwdProblem& P, int64_t item, int64_t thread, BwdScrat
           }
         }
         tn_tile(dP, nrp, Q, qs, rlo, rhi, w.dk.data(), D, nc);           // dK += dS^T Q (scaled below)
-        float* dQ = P.dq[thread] + ((b * P.Sq + q0) * P.Hq + hq) * P.D;
-        // The thread's first write to this dQ tile overwrites it (alpha null: its old rows,
+        float* dQ = P.dq[slot] + ((b * P.Sq + q0) * P.Hq + hq) * P.D;
+        // The slot's first write to this dQ tile overwrites it (alpha null: its old rows,
         // garbage, are not read); rows no group writes are zeroed then.
-        uint8_t& seen = P.written[thread][(b * P.Hq + hq) * P.nqb + idx[t]];
+        uint8_t& seen = P.written[slot][(b * P.Hq + hq) * P.nqb + idx[t]];
         const float* add = seen ? w.ones.data() : nullptr;
         if (masked) {                                                      // dQ += dS K (scaled below)
           for (int gr = 0; gr < ng; ++gr) {
@@ -1991,7 +1992,7 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const size_t nqt = P.tile_prep ? 0 : (size_t)P.B * P.Hq * P.D * P.Sqp,
                ndot = P.tile_prep ? 0 : (size_t)P.B * P.Hq * P.Dv * P.Sqp,
                nstat = P.tile_prep ? 0 : (size_t)P.B * P.Hq * P.Sq;
-  // One lease: qT, doT, delta, then a dQ buffer for each thread but the first (which
+  // One lease: qT, doT, delta, then a dQ buffer for each slot but the first (which
   // accumulates into the output).
   WorkLease work(nqt + ndot + nstat + (size_t)(threads - 1) * nq);
   P.qT = work.data();
@@ -2005,11 +2006,16 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int64_t pre = P.B * P.Hq * ((P.Sq + 127) / 128);
   if (!P.tile_prep)
     run_parallel<NoScratch>(pool, pre, pre, [&P](int64_t i, int64_t, NoScratch&) { bwd_prepass(P, i); });
+  // Deterministic dQ: item i adds into the buffer of slot i % threads, and each slot walks its
+  // items in increasing order, whichever pool thread runs it. Taking items as threads come free
+  // would put a different subset of kv blocks into each buffer every run, and so sum each dQ
+  // element in a different order (bitwise different results between identical calls).
   if (items > 0) {
-    run_parallel<BwdScratch>(pool, items, threads,
-                             [&P](int64_t i, int64_t t, BwdScratch& w) { bwd_item(P, i, t, w); });
+    run_parallel<BwdScratch>(pool, threads, threads, [&P, items, threads](int64_t slot, int64_t, BwdScratch& w) {
+      for (int64_t i = slot; i < items; i += threads) bwd_item(P, i, slot, w);
+    });
   }
-  // dQ = scale * the sum of the tiles the threads wrote (0 where none did).
+  // dQ = scale * the sum of the tiles the slots wrote (0 where none did).
   run_parallel<NoScratch>(pool, units, units, [&P, scale](int64_t u, int64_t, NoScratch&) {
     const int64_t qb = u % P.nqb, hq = (u / P.nqb) % P.Hq, b = u / (P.nqb * P.Hq);
     const int64_t q0 = qb * P.bq, nr = std::min<int64_t>(P.bq, P.Sq - q0);
