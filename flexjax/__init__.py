@@ -1,5 +1,6 @@
 """flexjax: FlexAttention for JAX (score_mod / mask_mod into block-sparse attention)."""
 
+from . import _trace_states  # noqa: F401  (first: before any of the user's traces)
 from . import masks as masks
 from . import mods as mods
 from . import paged as paged

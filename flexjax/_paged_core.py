@@ -27,8 +27,10 @@ def serves_paged(impl) -> bool:
 def check_backend(caller: str, backend, kernel_options) -> None:
     """A named backend must have a paged path; kernel_options keys must be some backend's (the chooser then
     takes only the backends that take them)."""
-    paged_backends = tuple(n for n in available_backends() if serves_paged(get_backend(n)))
-    if backend is not None and backend not in paged_backends:
+    # Only a named backend's module is imported here: a call with backend=None asks just the backends of
+    # its platform (the chooser), so a CPU call never imports the GPU and TPU kernels.
+    if backend is not None and not serves_paged(get_backend(backend)):
+        paged_backends = tuple(n for n in available_backends() if serves_paged(get_backend(n)))
         raise NotImplementedError(f"{caller} has paths on the {', '.join(paged_backends)} backends; got "
                                   f"backend={backend!r}: pass backend=None or one of {paged_backends}")
     options_tuple(kernel_options, backend)
