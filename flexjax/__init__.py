@@ -17,6 +17,7 @@ from ._block_mask import create_block_mask as create_block_mask
 from ._block_mask import create_mask as create_mask
 from ._block_mask import noop_mask as noop_mask
 from ._block_mask import or_masks as or_masks
+from ._debug import debug_checks as debug_checks
 from ._drop_in import dot_product_attention as dot_product_attention
 from ._dropout import dropout_mask as dropout_mask
 
@@ -30,6 +31,7 @@ __all__ = [
     "and_masks",
     "create_block_mask",
     "create_mask",
+    "debug_checks",
     "dot_product_attention",
     "dropout_mask",
     "explain",

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from . import _dropout
+from . import _debug, _dropout
 from ._autodiff import attention_jvp
 from ._block_mask_type import BlockMask
 from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are public here)
@@ -19,6 +19,7 @@ from ._spec import (  # noqa: F401 (AttentionSpec, AuxOutput and AuxRequest are 
     AuxOutput,
     AuxRequest,
     check_block_mask,
+    check_layout,
     check_outputs,
     check_qkv,
     check_scale,
@@ -115,6 +116,8 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
             out, lse = sharded if want_lse else (sharded, None)
             return results(out, lse, None, sinks, return_lse, return_aux)
     call = _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate)
+    if _debug.enabled():  # reads past a captured array's end raise (flexjax.debug_checks)
+        query = query + _debug.check_reads(call.spec, call.score_consts, call.mask_consts, B, Hq).astype(query.dtype)
     plan, _ = _choose_backend(backend, call, query, key, value, seed)
     out, lse, max_scores = _attention_jit(plan, call.spec, query, key, value, call.score_consts,
                                           call.mask_consts, call.lists, seed)
@@ -128,6 +131,8 @@ def flex_attention(query: jax.Array, key: jax.Array, value: jax.Array,
 def _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate):
     if block_mask is not None:
         check_block_mask(block_mask, query.shape, key.shape[1])
+    else:
+        check_layout(query, key)
     return prepare(query, key.shape[1], score_mod, block_mask, scale=scale, kernel_options=kernel_options,
                    backend=backend, dropout_rate=rate)
 
@@ -225,6 +230,8 @@ def _explain(query, key, value, score_mod, block_mask, scale, dropout_rate, drop
     rate = _dropout.check_rate(dropout_rate)
     seed = _dropout.seed_words(dropout_rng) if rate > 0 else None
     call = _prepare(query, key, score_mod, block_mask, scale, kernel_options, backend, rate)
+    if _debug.enabled():
+        _debug.check_reads(call.spec, call.score_consts, call.mask_consts, query.shape[0], query.shape[2])
     plan, skipped = _choose_backend(backend, call, query, key, value, seed, warn=False)
     return Explanation(plan.backend, plan.forward, plan.backward, tuple(skipped), plan.skipped_forward,
                        plan.skipped_backward, plan)

@@ -91,6 +91,24 @@ def check_qkv(query, key, value):
             raise ValueError(f"{name} has a zero-sized dimension; shapes {query.shape}, {key.shape}, {value.shape}")
 
 
+def check_layout(query, key) -> None:
+    """With no block_mask to fix the lengths, refuses shapes that read as GQA / MQA inputs in PyTorch's
+    (batch, heads, seq, head_dim) layout: as flexjax's (batch, seq, heads, head_dim) they give query and
+    key the same number of "heads", more than either has tokens, with the query's tokens a multiple of the
+    key's (PyTorch's query heads and kv heads). Passing a block_mask built for those lengths says they are
+    meant (``check_block_mask`` then checks them)."""
+    _, Sq, Hq, _ = query.shape
+    _, Skv, Hkv, _ = key.shape
+    if Hq == Hkv and Sq != Skv and Sq % Skv == 0 and Hq > Sq:
+        raise ValueError(
+            f"query shape {tuple(query.shape)} and key shape {tuple(key.shape)} read as {Sq} queries against "
+            f"{Skv} keys in {Hq} heads each, which is how GQA inputs in PyTorch's (batch, heads, seq, head_dim) "
+            f"layout look ({Sq} query heads sharing {Skv} key/value heads over {Hq} tokens). flexjax's layout is "
+            "(batch, seq, heads, head_dim), as jax.nn.dot_product_attention: pass jnp.swapaxes(x, 1, 2) for "
+            "query, key and value. If these lengths are meant, pass a block_mask built for them "
+            f"(create_block_mask(mask_mod, B, H, {Sq}, {Skv}))")
+
+
 def check_scale(scale, head_dim: int) -> float:
     """The factor on q·k every entry point takes: ``1/sqrt(head_dim)`` for None, else a Python or NumPy real
     number (not a bool, not an array: it is static, part of the compiled kernel)."""

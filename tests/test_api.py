@@ -209,3 +209,74 @@ def test_explain_reports_fallbacks_and_the_log_says_the_same(caplog):
                for r in caplog.records)
     with pytest.raises(ValueError, match="not by backend='reference'"):
         flexjax.explain(q, kv, kv, backend="reference", kernel_options={"block_q": 64})
+
+
+def test_gqa_in_pytorch_layout_is_refused_without_a_block_mask():
+    """GQA / MQA inputs in PyTorch's (B, H, S, D) layout read, as (B, S, H, D), as 8 queries against 2 keys
+    in 64 heads: refused with the layout hint, naming the shapes; a block_mask for those lengths says they
+    are meant."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    import flexjax
+
+    q = jnp.zeros((1, 8, 64, 16))   # PyTorch: 8 query heads, 64 tokens
+    kv = jnp.zeros((1, 2, 64, 16))  # PyTorch: 2 kv heads
+    for call in (flexjax.flex_attention, flexjax.explain, jax.jit(flexjax.flex_attention)):
+        with pytest.raises(ValueError, match=r"PyTorch's \(batch, heads, seq, head_dim\).*jnp.swapaxes"):
+            call(q, kv, kv)
+    mqa = jnp.zeros((1, 1, 64, 16))
+    with pytest.raises(ValueError, match="swapaxes"):
+        flexjax.flex_attention(q, mqa, mqa)
+    bm = flexjax.create_block_mask(flexjax.noop_mask, None, None, 8, 2, block_size=(8, 2))
+    assert flexjax.flex_attention(q, kv, kv, block_mask=bm).shape == (1, 8, 64, 16)
+    # The same shapes in flexjax's layout: 64 tokens, 8 query heads on 2 kv heads.
+    assert flexjax.flex_attention(q.swapaxes(1, 2), kv.swapaxes(1, 2), kv.swapaxes(1, 2)).shape == (1, 64, 8, 16)
+
+
+def test_debug_checks_raise_on_reads_past_a_captured_table():
+    """A relative-bias table too short for the positions read is clamped by JAX, silently; under
+    flexjax.debug_checks() the call raises, eagerly and when a jitted call runs, and a table that covers
+    every position (or one read only at pairs the mask_mod drops) passes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+
+    import flexjax
+    from flexjax import masks
+
+    S = 32
+    q = jax.random.normal(jax.random.key(0), (1, S, 2, 16))
+    short, full = jnp.zeros(S), jnp.arange(2 * S, dtype=jnp.float32) * 0.01
+
+    def bias(table):
+        return lambda s, b, h, qi, kv: s + table[qi - kv + S]  # reads S - 31 .. S + 31
+
+    causal_bm = flexjax.create_block_mask(masks.causal, None, None, S, S, block_size=16)
+    silent = flexjax.flex_attention(q, q, q, bias(short))  # outside debug mode: clamped, no error
+    assert np.isfinite(np.asarray(silent)).all()
+    with flexjax.debug_checks():
+        with pytest.raises(IndexError, match="score_mod.*past its end"):
+            flexjax.flex_attention(q, q, q, bias(short))
+        with pytest.raises(IndexError, match="score_mod.*past its end"):
+            flexjax.explain(q, q, q, bias(short))
+        with pytest.raises(Exception, match="past its end"):
+            jax.jit(lambda q, t: flexjax.flex_attention(q, q, q, bias(t)))(q, short).block_until_ready()
+        out = jax.jit(lambda q, t: flexjax.flex_attention(q, q, q, bias(t)))(q, full)
+        np.testing.assert_allclose(out, flexjax.flex_attention(q, q, q, bias(full)), atol=1e-6)
+        # Causal: only qi >= kv is read (indices S .. 2S - 1); S + 1 entries cover qi == kv only.
+        table = jnp.zeros(S + 1)
+        with pytest.raises(IndexError):
+            flexjax.flex_attention(q, q, q, bias(table), causal_bm)
+        ok = jnp.zeros(2 * S)  # covers every allowed pair of the causal call
+        flexjax.flex_attention(q, q, q, bias(ok), causal_bm)
+        # A mask_mod reading past its table.
+        docs = jnp.zeros(S // 2, jnp.int32)
+        with pytest.raises(IndexError, match="mask_mod"):
+            bm = flexjax.create_block_mask(lambda b, h, qi, kv: docs[qi] == docs[kv], None, None, S, S,
+                                           block_size=16)
+            flexjax.flex_attention(q, q, q, block_mask=bm)
+    with flexjax.debug_checks(False):
+        flexjax.flex_attention(q, q, q, bias(short))

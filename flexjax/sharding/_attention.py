@@ -29,7 +29,7 @@ from .._api import register_sharded_dispatch
 from .._block_mask_type import EMPTY, BlockMask
 from .._jaxpr import TRANSPARENT_CALLS
 from .._modir import Flattener, Lit, flatten
-from .._spec import check_block_mask, check_qkv, prepare, zero_cotangent
+from .._spec import check_block_mask, check_layout, check_qkv, prepare, zero_cotangent
 from .._trace import StaticMod, remapped, trace_mod
 from ..backends import _softmax
 from ._layout import block_order, positions
@@ -402,7 +402,9 @@ def sharded_flex_attention(specs: AttentionSpecs, query, key, value, score_mod=N
         kv_head_slice = max(1, local // group)
 
     tiles, mask, mask_consts, block_size, kv_band, tiles_spec = (), None, (), None, None, ()
-    if block_mask is not None:
+    if block_mask is None:
+        check_layout(query, key)
+    else:
         check_block_mask(block_mask, query.shape, Skv)
         Bm, Hm = block_mask.shape[:2]
         rows = (b_e if Bm == B else None, h_e if Hm == Hq else None)
