@@ -36,7 +36,20 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def debug_checks(enabled: bool = True):
-    """Within it, flexjax calls run their debug checks (this module's docstring lists them)."""
+    """Within it, flexjax calls run checks too costly for every step (``FLEXJAX_DEBUG_CHECKS=1`` turns them
+    on for a whole process; ``debug_checks(False)`` off within).
+
+    Reads past a captured array's end: JAX clamps an index past an array's end, so a mod whose table is
+    shorter than the positions it reads gives wrong numbers with no error. Here a dense ``flex_attention``
+    or ``explain`` evaluates every index a score_mod or mask_mod computes into its captured arrays, at
+    every ``(b, h, q_idx, kv_idx)`` of the call (for the score_mod, at the pairs the mask_mod allows), and
+    raises ``IndexError`` naming the mod: at once for concrete arrays, and when the step runs under
+    ``jit``. Negative indices count from the end, as in NumPy. The check is a dense pass over the
+    positions, for debugging::
+
+        with flexjax.debug_checks():
+            out = flexjax.flex_attention(q, k, v, score_mod)
+    """
     if not isinstance(enabled, bool):
         raise TypeError(f"debug_checks(enabled) must be a bool, got {type(enabled).__name__}")
     token = _ON.set(enabled)

@@ -29,7 +29,7 @@ def check_backend(caller: str, backend, kernel_options) -> None:
     takes only the backends that take them)."""
     # Only a named backend's module is imported here: a call with backend=None asks just the backends of
     # its platform (the chooser), so a CPU call never imports the GPU and TPU kernels.
-    if backend is not None and not serves_paged(get_backend(backend)):
+    if backend is not None and (backend not in available_backends() or not serves_paged(get_backend(backend))):
         paged_backends = tuple(n for n in available_backends() if serves_paged(get_backend(n)))
         raise NotImplementedError(f"{caller} has paths on the {', '.join(paged_backends)} backends; got "
                                   f"backend={backend!r}: pass backend=None or one of {paged_backends}")

@@ -106,13 +106,14 @@ def _check(targets):
         assert len(set(runs)) == 1, f"{name}: the gradients' bytes differ between identical runs: {runs}"
 
 
+@pytest.mark.ci_extra  # (make test-extra: about 20 s, two fresh processes)
 def test_backward_is_bitwise_deterministic():
     """xla (the C++ kernel and its loops), reference and the paged backward: three runs in each of two
     fresh processes give the same bytes."""
     _check(FAST)
 
 
-@pytest.mark.slow
+@pytest.mark.ci_extra  # (make test-extra: about 20 s)
 def test_interpreted_backward_is_bitwise_deterministic():
     """The pallas kernels (Triton-lowered and Mosaic TPU, in interpret mode), the same way."""
     _check(INTERPRETED)
